@@ -1,0 +1,58 @@
+"""Model-shaped MoE configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ep_runtime.types import Activation, EPInputError
+
+DEFAULT_MAX_TOKENS_PER_RANK = 256
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape of one MoE layer.
+
+    ``top_k`` is the *maximum* K: it sizes buffers; the K in force is ``topk_ids.size(1)``.
+    ``dtype`` is the compute dtype; ``None`` means bf16 on CUDA and fp32 on CPU.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: Activation | str = Activation.SILU
+    dtype: torch.dtype | None = None
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EPInputError(name, "a positive int", value)
+        if self.top_k > self.num_experts:
+            raise EPInputError("top_k", f"<= num_experts ({self.num_experts})", self.top_k)
+        if not isinstance(self.max_tokens_per_rank, int) or self.max_tokens_per_rank < 1:
+            raise EPInputError("max_tokens_per_rank", "a positive int", self.max_tokens_per_rank)
+        try:
+            activation = Activation(self.activation)
+        except ValueError:
+            raise EPInputError(
+                "activation", f"one of {[a.value for a in Activation]}", self.activation
+            ) from None
+        object.__setattr__(self, "activation", activation)
+        if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
+            raise EPInputError("dtype", "torch.bfloat16 or torch.float32 (or None)", self.dtype)
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of ``w13`` per expert: ``2I`` gated (``[gate; up]``), ``I`` non-gated."""
+        return 2 * self.intermediate_size if self.activation.is_gated else self.intermediate_size
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,0 +1,123 @@
+"""The experts protocol: compute ``Σ_k w_k · FFN_k(x)`` over a rank's local slots.
+
+Contract (DESIGN.md, "Dispatched"/"Experts"): take top_k from ``topk_ids.size(1)``, cast ids to
+int32 at the boundary, write **every** output row (zero for padding rows, computed without reading
+them), apply router weights exactly once. Weight conversion happens once, in ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ep_runtime.config import MoEConfig
+from ep_runtime.placement import ExpertPlacement
+from ep_runtime.registry import Registry
+from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
+
+
+@dataclass(frozen=True)
+class ExpertsCapabilities:
+    device_types: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    activations: frozenset[Activation]
+    layouts: frozenset[TopkLayout]
+    preferred_layout: TopkLayout
+    cuda_archs: frozenset[int] | None = None  # allowed SM majors*10+minor; None = any
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ExpertsSetup:
+    config: MoEConfig
+    placement: ExpertPlacement
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cuda_arch(device: torch.device) -> int | None:
+    """SM version as ``major*10 + minor`` (90 = Hopper, 100 = Blackwell), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+class Experts(abc.ABC):
+    """One expert-compute backend for a rank's shard of ``L`` local experts."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[ExpertsCapabilities]
+    auto_priority: ClassVar[int] = 0
+
+    def __init__(self, setup: ExpertsSetup) -> None:
+        self.setup = setup
+        self.config = setup.config
+        self.placement = setup.placement
+        self.activation = Activation(setup.config.activation)
+
+    @classmethod
+    def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
+        """Why this backend cannot run for ``setup`` (package, cubins, shapes), beyond capabilities."""
+        return None
+
+    @classmethod
+    def refusal(cls, setup: ExpertsSetup, layout: TopkLayout | None) -> str | None:
+        caps = cls.capabilities
+        if setup.device.type not in caps.device_types:
+            return f"runs on {sorted(caps.device_types)}, not {setup.device.type}"
+        arch = cuda_arch(setup.device)
+        if caps.cuda_archs is not None and arch not in caps.cuda_archs:
+            return f"needs SM {sorted(caps.cuda_archs)}, this device is SM{arch}"
+        if setup.dtype not in caps.dtypes:
+            return f"supports dtypes {sorted(map(str, caps.dtypes))}, not {setup.dtype}"
+        activation = Activation(setup.config.activation)
+        if activation not in caps.activations:
+            return f"supports activations {sorted(a.value for a in caps.activations)}, not {activation.value}"
+        if layout is not None and layout not in caps.layouts:
+            return f"supports layouts {sorted(x.value for x in caps.layouts)}, not {layout.value}"
+        return cls.unavailable_reason(setup)
+
+    @abc.abstractmethod
+    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Take this rank's shard, ``w13 [L, 2I or I, H]`` and ``w2 [L, H, I]`` in the compute
+        dtype, and convert once to whatever layout the kernel wants."""
+
+    @abc.abstractmethod
+    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[R, H]`` in the compute dtype; row r = Σ over its non-(-1) slots of w·FFN(x_r)."""
+
+    def workspace_bytes(self, max_rows: int) -> int:
+        """Scratch memory the backend needs for ``max_rows`` dispatched rows (allocated once)."""
+        return 0
+
+
+def local_expert_index(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """``[R, K']`` int64 local index in ``[0, L)`` for slots served here, ``L`` for the rest.
+
+    Ids are cast to a fixed width at the boundary; -1 and ids of other ranks map to ``L``.
+    """
+    ids = topk_ids.to(torch.int32).to(torch.int64)
+    local = ids - placement.local_expert_offset
+    num_local = placement.num_local_experts
+    served = (local >= 0) & (local < num_local)
+    return torch.where(served, local, torch.full_like(local, num_local))
+
+
+def check_expert_weights(
+    w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig, num_experts: int
+) -> None:
+    """Shapes of ``w13 [E', 2I|I, H]`` and ``w2 [E', H, I]`` for ``E'`` experts."""
+    H, I = config.hidden_size, config.intermediate_size  # noqa: E741
+    expected13 = (num_experts, config.w13_rows, H)
+    if tuple(w13.shape) != expected13:
+        raise EPInputError("w13", f"shape {list(expected13)}", list(w13.shape))
+    expected2 = (num_experts, H, I)
+    if tuple(w2.shape) != expected2:
+        raise EPInputError("w2", f"shape {list(expected2)}", list(w2.shape))
+
+
+EXPERTS: Registry[type[Experts]] = Registry("experts")

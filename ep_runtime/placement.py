@@ -1,0 +1,38 @@
+"""Which experts a rank owns: the contiguous physical range ``[r·L, (r+1)·L)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ep_runtime.types import EPInputError
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Contiguous expert ownership. Load balancing later maps logical → physical ids before
+    dispatch; every kernel here sees physical ids and contiguous local ranges."""
+
+    num_experts: int
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.world_size != 0:
+            raise EPInputError(
+                "num_experts",
+                f"a multiple of the world size {self.world_size}",
+                self.num_experts,
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise EPInputError("rank", f"in [0, {self.world_size})", self.rank)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def local_expert_offset(self) -> int:
+        return self.rank * self.num_local_experts
+
+    def owner(self, expert_id: int) -> int:
+        return expert_id // self.num_local_experts

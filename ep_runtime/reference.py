@@ -1,0 +1,51 @@
+"""``reference_moe``: the single-process oracle. Plain torch; imports nothing from dispatch/,
+experts/ or the layer, so a bug there cannot hide in the oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_ffn(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``w2 · act(w13 · x)`` for rows ``x [N, H]`` of one expert; ``w13`` is ``[gate; up]``."""
+    h = x @ w13.T
+    if activation == "silu":
+        intermediate = w13.shape[0] // 2
+        h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+    elif activation == "relu2":
+        h = torch.relu(h).square()
+    else:
+        raise ValueError(f"activation: expected 'silu' or 'relu2', given {activation!r}")
+    return h @ w2.T
+
+
+def reference_moe(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K] global ids, -1 = unused
+    topk_weights: torch.Tensor,  # [T, K]
+    w13: torch.Tensor,  # [E, 2I, H] ("silu") or [E, I, H] ("relu2")
+    w2: torch.Tensor,  # [E, H, I]
+    activation: str = "silu",
+    *,
+    accumulate_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``out[t] = Σ_k w[t,k] · FFN_{ids[t,k]}(x[t])`` over slots with id ≠ -1, as float32.
+
+    Everything is computed in ``accumulate_dtype`` from the given (already rounded) inputs.
+    Weights on -1 slots are never read, so NaN there cannot leak.
+    """
+    activation = getattr(activation, "value", activation)
+    acc = accumulate_dtype
+    num_tokens, hidden = x.shape
+    out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    for expert in ids[ids >= 0].unique().tolist():
+        token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+        rows = x[token_idx].to(acc)
+        y = expert_ffn(rows, w13[expert].to(acc), w2[expert].to(acc), activation)
+        weights = topk_weights[token_idx, slot_idx].to(acc).unsqueeze(1)
+        out.index_add_(0, token_idx, weights * y)
+    return out.to(torch.float32)

@@ -1,0 +1,74 @@
+"""Routers of the model presets: router logits → ``(topk_ids int32, topk_weights float32)``."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ep_runtime.types import EPInputError
+
+
+class Scoring(str, enum.Enum):
+    SOFTMAX = "softmax"  # Qwen3, Mixtral, DeepSeek-V2-Lite
+    SIGMOID = "sigmoid"  # DeepSeek-V3, Nemotron-3
+
+
+def route(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    *,
+    scoring: Scoring | str = Scoring.SOFTMAX,
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,  # [E], selection only (DeepSeek-V3)
+    num_expert_groups: int | None = None,
+    num_topk_groups: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    logical_to_physical: torch.Tensor | None = None,  # [E] int, applied last (EPLB hook)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select ``top_k`` experts per token; weights from the scores (bias only steers selection).
+
+    softmax → top-k (→ renormalise): Qwen3 renormalises, DeepSeek-V2-Lite does not.
+    sigmoid + bias, group-limited top-k, renormalise, × routed_scaling_factor: DeepSeek-V3.
+    """
+    if router_logits.dim() != 2:
+        raise EPInputError("router_logits", "a 2-D [T, E] tensor", list(router_logits.shape))
+    num_experts = router_logits.size(1)
+    if not 1 <= top_k <= num_experts:
+        raise EPInputError("top_k", f"in [1, {num_experts}]", top_k)
+    scoring = Scoring(scoring)
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if scoring is Scoring.SOFTMAX else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_expert_groups is not None:
+        choice = _mask_to_top_groups(choice, num_expert_groups, num_topk_groups, top_k)
+    topk_ids = choice.topk(top_k, dim=-1, sorted=True).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    topk_weights = topk_weights * routed_scaling_factor
+    if logical_to_physical is not None:
+        topk_ids = logical_to_physical.to(topk_ids.device)[topk_ids]
+    return topk_ids.to(torch.int32), topk_weights.to(torch.float32)
+
+
+def _mask_to_top_groups(
+    choice: torch.Tensor, num_groups: int, num_topk_groups: int | None, top_k: int
+) -> torch.Tensor:
+    """Keep experts of the ``num_topk_groups`` groups whose two best scores sum highest."""
+    num_tokens, num_experts = choice.shape
+    if num_experts % num_groups != 0:
+        raise EPInputError("num_expert_groups", f"a divisor of {num_experts}", num_groups)
+    if num_topk_groups is None or not 1 <= num_topk_groups <= num_groups:
+        raise EPInputError("num_topk_groups", f"in [1, {num_groups}]", num_topk_groups)
+    per_group = num_experts // num_groups
+    if num_topk_groups * per_group < top_k:
+        raise EPInputError(
+            "num_topk_groups", f">= {-(-top_k // per_group)} to hold top_k={top_k}", num_topk_groups
+        )
+    grouped = choice.view(num_tokens, num_groups, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
+    kept = group_scores.topk(num_topk_groups, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)
+    return choice.masked_fill(~expert_mask, float("-inf"))
