@@ -1,0 +1,295 @@
+"""Rank-side code of the multi-rank suite: deterministic inputs, the layer run, oracle checks.
+
+Every function here runs inside a pool rank (``RankPool.run``) with torch.distributed initialised.
+Weights are global and identical on every rank (generated from the seed); inputs differ per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime import EPMoE, MoEConfig, reference_moe
+from ep_runtime.comm import default_device
+from ep_runtime.tolerance import Comparison, compare_per_token, tolerance_for
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    dispatcher: str = "torch_a2a"
+    experts: str = "reference"
+    layout: str = "standard"
+    activation: str = "silu"
+    mode: str = "exact"
+    dtype: torch.dtype = torch.bfloat16
+    num_experts: int = 8
+    top_k: int = 3  # config maximum
+    k: int | None = None  # K in force (columns of topk_ids); None = top_k
+    hidden: int = 64
+    intermediate: int = 32
+    tokens: tuple[int, ...] | None = None  # per rank; None = odd, uneven defaults
+    cap: int = 16
+    routing: str = "random"  # random | one_expert | all_unused
+    seed: int = 0
+    poison: bool = False
+
+    def config(self) -> MoEConfig:
+        return MoEConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            activation=self.activation,
+            dtype=self.dtype,
+            max_tokens_per_rank=self.cap,
+        )
+
+    def tokens_for(self, rank: int) -> int:
+        if self.tokens is not None:
+            return self.tokens[rank]
+        return min(self.cap, 5 + 4 * rank) if self.mode == "capacity" else 5 + 4 * rank
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    rank: int
+    comparison: Comparison
+    dispatcher: str
+    experts: str
+    layout: str
+    output: torch.Tensor
+
+
+def device() -> torch.device:
+    return default_device(dist.group.WORLD)
+
+
+def make_weights(spec: CaseSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``w13 [E, 2I|I, H]``, ``w2 [E, H, I]`` in the compute dtype, same on all ranks."""
+    generator = torch.Generator().manual_seed(1000 + spec.seed)
+    cfg = spec.config()
+    w13 = torch.randn(spec.num_experts, cfg.w13_rows, spec.hidden, generator=generator)
+    w2 = torch.randn(spec.num_experts, spec.hidden, spec.intermediate, generator=generator)
+    w13 = w13 / spec.hidden**0.5
+    w2 = w2 / spec.intermediate**0.5
+    return w13.to(spec.dtype), w2.to(spec.dtype)
+
+
+def make_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H]``, ``ids [T, K]`` int64 (distinct per row, some -1, a fully unused row),
+    ``weights [T, K]`` distinct, unnormalised, NaN on -1 slots (they must be ignored)."""
+    generator = torch.Generator().manual_seed(spec.seed * 7919 + rank)
+    num_tokens = spec.tokens_for(rank)
+    k = spec.k or spec.top_k
+    x = torch.randn(num_tokens, spec.hidden, generator=generator).to(spec.dtype)
+    scores = torch.rand(num_tokens, spec.num_experts, generator=generator)
+    ids = scores.topk(k, dim=1).indices
+    if spec.routing == "one_expert":
+        ids[:, 0] = spec.num_experts - 1
+        ids[:, 1:] = -1
+    elif spec.routing == "all_unused":
+        ids[:] = -1
+    elif num_tokens > 0:
+        unused = torch.rand(num_tokens, k, generator=generator) < 0.15
+        ids = torch.where(unused, torch.full_like(ids, -1), ids)
+        ids[num_tokens // 2] = -1  # one token served by nobody: exact zero row
+    weights = 0.25 + 1.5 * torch.rand(num_tokens, k, generator=generator)
+    weights = torch.where(ids >= 0, weights, torch.full_like(weights, float("nan")))
+    return x, ids, weights
+
+
+def build_layer(spec: CaseSpec) -> EPMoE:
+    layer = EPMoE(
+        spec.config(),
+        dispatcher=spec.dispatcher,
+        experts=spec.experts,
+        layout=spec.layout,
+        mode=spec.mode,
+        max_tokens_per_rank=spec.cap,
+        device=device(),
+        poison=spec.poison,
+    )
+    w13, w2 = make_weights(spec)
+    layer.load_weights(w13, w2)
+    return layer
+
+
+def run_layer_case(spec: CaseSpec, faults: tuple[str, ...] = ()) -> CaseResult:
+    """Run the layer (with optional injected ``faults``) and compare to the oracle on the
+    un-faulted inputs, per token."""
+    rank = dist.get_rank()
+    x, ids, weights = make_inputs(spec, rank)
+    w13, w2 = make_weights(spec)
+    ref = reference_moe(x, ids, weights, w13, w2, spec.activation)
+    layer = build_layer(spec)
+    try:
+        layer_x, layer_ids, layer_weights = apply_input_faults(spec, x, ids, weights, faults)
+        if "gate_up_swapped" in faults:
+            half = spec.intermediate
+            layer.load_weights(torch.cat([w13[:, half:], w13[:, :half]], dim=1), w2)
+        dev = device()
+        out = layer(layer_x.to(dev), layer_ids.to(dev), layer_weights.to(dev))
+        if "zero_output" in faults:
+            out = torch.zeros_like(out)
+        comparison = compare_per_token(out, ref, tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate)))
+        return CaseResult(rank, comparison, layer.choice.dispatcher, layer.choice.experts,
+                          layer.layout.value, out.cpu())
+    finally:
+        layer.close()
+
+
+def apply_input_faults(spec: CaseSpec, x, ids, weights, faults: tuple[str, ...]):
+    """Negative controls: the layer gets a broken version of the inputs the oracle sees."""
+    num_local = spec.num_experts // dist.get_world_size()
+    valid = ids >= 0
+    finite_weights = torch.where(valid, weights, torch.zeros_like(weights))
+    for fault in faults:
+        if fault == "weights_0x":
+            weights = torch.where(valid, torch.ones_like(weights), weights)
+        elif fault == "weights_2x":
+            weights = torch.where(valid, finite_weights.square(), weights)
+        elif fault == "dropped_slot":
+            first = valid.to(torch.int64).argmax(dim=1, keepdim=True)  # first used slot per row
+            ids = ids.scatter(1, first, -1)
+        elif fault == "ids_off_by_rank":
+            ids = torch.where(valid, (ids + num_local) % spec.num_experts, ids)
+        elif fault == "minus_one_is_expert":
+            # -1 read as an expert: the smallest expert absent from the row, weight 0.7
+            present = torch.zeros(ids.size(0), spec.num_experts + 1, dtype=torch.bool)
+            present.scatter_(1, torch.where(valid, ids, spec.num_experts), True)
+            stand_in = (~present[:, : spec.num_experts]).to(torch.int64).argmax(dim=1, keepdim=True)
+            first_unused = (~valid).to(torch.int64).argmax(dim=1, keepdim=True)
+            has_unused = (~valid).any(dim=1, keepdim=True)
+            target = torch.zeros_like(valid).scatter_(1, first_unused, True) & has_unused
+            ids = torch.where(target, stand_in.expand_as(ids), ids)
+            weights = torch.where(target, torch.full_like(weights, 0.7), weights)
+    return x, ids, weights
+
+
+def timed_bad_input(spec: CaseSpec, bad_rank: int, fault: str) -> tuple[str, str, float]:
+    """Rank ``bad_rank`` passes bad input; every rank returns (error type, message, seconds)."""
+    rank = dist.get_rank()
+    x, ids, weights = make_inputs(spec, rank)
+    layer = build_layer(spec)
+    if rank == bad_rank:
+        if fault == "id_out_of_range":
+            ids = ids.clone()
+            ids[0, 0] = spec.num_experts + 3
+        elif fault == "wrong_hidden":
+            x = torch.zeros(x.size(0), spec.hidden + 1, dtype=spec.dtype)
+        elif fault == "too_many_tokens":
+            x, ids, weights = (t.repeat(spec.cap + 1, 1)[: spec.cap + 1] for t in (x, ids, weights))
+    dev = device()
+    start = time.monotonic()
+    try:
+        layer(x.to(dev), ids.to(dev), weights.to(dev))
+        return ("none", "", time.monotonic() - start)
+    except Exception as error:
+        return (type(error).__name__, str(error), time.monotonic() - start)
+    finally:
+        layer.close()
+
+
+def with_spec(spec: CaseSpec, **changes) -> CaseSpec:
+    return replace(spec, **changes)
+
+
+def dyadic_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Small-integer x (|x| ≤ 15) and weights in {1/8 … 4/8}: every partial sum of ≤ 4 slots is
+    exact in bf16 (≤ 8 significant bits), so the round trip must be bitwise."""
+    x, ids, _ = make_inputs(spec, rank)
+    generator = torch.Generator().manual_seed(spec.seed * 104729 + rank)
+    x = torch.randint(-15, 16, x.shape, generator=generator).to(spec.dtype)
+    eighths = torch.randint(1, 5, ids.shape, generator=generator).float() / 8
+    weights = torch.where(ids >= 0, eighths, torch.full_like(eighths, float("nan")))
+    return x, ids, weights
+
+
+def weighted_identity(dispatched) -> torch.Tensor:
+    """Stand-in experts for round trips: row r → Σ_{served k} w[r,k] · x[r], zero for padding."""
+    served = dispatched.topk_ids >= 0
+    weight = torch.where(served, dispatched.topk_weights, torch.zeros_like(dispatched.topk_weights))
+    rows = torch.where(served.any(1, keepdim=True), dispatched.hidden_states.float(), 0.0)
+    return (weight.sum(1, keepdim=True) * rows).to(dispatched.hidden_states.dtype)
+
+
+def check_round_trip(spec: CaseSpec) -> int:
+    """dispatch → weighted identity → combine equals Σ w · x bitwise (``torch.equal``)."""
+    rank = dist.get_rank()
+    x, ids, weights = dyadic_inputs(spec, rank)
+    layer = build_layer(spec)
+    dev = device()
+    try:
+        x, ids, weights = x.to(dev), ids.to(dev), weights.to(dev)
+        dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
+        out = layer.dispatcher.combine(weighted_identity(dispatched), dispatched)
+    finally:
+        layer.close()
+    total_weight = torch.where(ids >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
+    expected = (total_weight * x.float()).to(spec.dtype)
+    assert torch.equal(out, expected), (
+        f"rank {rank}: round trip differs at {int((out != expected).any(1).sum())} rows"
+    )
+    return x.size(0)
+
+
+def check_dispatch_bitwise(spec: CaseSpec) -> int:
+    """What arrives equals, bit for bit, what was sent: rows, global ids (-1 where not served
+    here) and weights. STANDARD order: (source rank, token); EXPANDED: (expert, source, token)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = build_layer(spec)
+    dev = device()
+    inputs = [dyadic_inputs(spec, source) for source in range(world)]
+    x, ids, weights = (t.to(dev) for t in inputs[rank])
+    try:
+        dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
+    finally:
+        layer.close()
+    num_local = spec.num_experts // world
+    low, high = rank * num_local, (rank + 1) * num_local
+    expected_rows, expected_ids, expected_weights = [], [], []
+    for source, (src_x, src_ids, src_w) in enumerate(inputs):
+        for token in range(src_x.size(0)):
+            served = (src_ids[token] >= low) & (src_ids[token] < high)
+            if not served.any():
+                continue
+            if spec.layout == "standard":
+                expected_rows.append(src_x[token])
+                expected_ids.append(torch.where(served, src_ids[token], -1))
+                expected_weights.append(torch.where(served, src_w[token], 0.0))
+            else:
+                for slot in served.nonzero().flatten().tolist():
+                    key = (int(src_ids[token, slot]), source, token)
+                    expected_rows.append((key, src_x[token], src_w[token, slot]))
+    hidden = dispatched.hidden_states.cpu()
+    got_ids = dispatched.topk_ids.cpu()
+    got_weights = dispatched.topk_weights.cpu()
+    assert got_ids.dtype == torch.int32, got_ids.dtype
+    valid = (got_ids >= 0).any(1)
+    if spec.layout == "standard":
+        assert got_ids.size(1) == ids.size(1), "STANDARD keeps K columns"
+        count = len(expected_rows)
+        assert int(valid.sum()) == count, (int(valid.sum()), count)
+        if count:
+            assert torch.equal(hidden[valid], torch.stack(expected_rows))
+            assert torch.equal(got_ids[valid], torch.stack(expected_ids).to(torch.int32))
+            served = got_ids[valid] >= 0
+            assert torch.equal(got_weights[valid][served], torch.stack(expected_weights)[served])
+        return count
+    assert got_ids.size(1) == 1, "EXPANDED has one id column"
+    expected_rows.sort(key=lambda item: item[0])
+    count = len(expected_rows)
+    assert torch.equal(valid[:count], torch.ones(count, dtype=torch.bool)), "valid rows first"
+    assert not bool(valid[count:].any()), "rows past the valid count must be padding"
+    offsets = dispatched.expert_offsets.cpu().tolist()
+    counts = [sum(1 for key, _, _ in expected_rows if key[0] == low + e) for e in range(num_local)]
+    assert offsets == [sum(counts[:e]) for e in range(num_local + 1)], (offsets, counts)
+    assert dispatched.expert_num_tokens.cpu().tolist() == counts
+    if count:
+        assert torch.equal(hidden[:count], torch.stack([row for _, row, _ in expected_rows]))
+        assert got_ids[:count, 0].tolist() == [key[0] for key, _, _ in expected_rows]
+        assert torch.equal(got_weights[:count, 0], torch.stack([w for _, _, w in expected_rows]))
+    return count

@@ -1,0 +1,145 @@
+"""A pool of real rank processes per world size, reused across test cases.
+
+Each rank is a spawned process with a torch.distributed group (NCCL when there is one GPU per rank,
+else gloo on CPU) and an explicit timeout. ``RankPool.run(fn, *args)`` runs ``fn`` on every rank
+and returns the per-rank results (or ``RankFailure``s); a case that hangs past its timeout tears
+the pool down so the next case gets a fresh one. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank raised: its type name, message and traceback."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+
+class PoolBroken(RuntimeError):
+    """The pool timed out or a rank process died; it has been shut down."""
+
+
+def pick_backend(world_size: int) -> str:
+    forced = os.environ.get("EP_TEST_BACKEND")
+    if forced:
+        return forced
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _rank_main(rank: int, world_size: int, backend: str, port: int, inbox, outbox) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    outbox.put(("ready", rank, None))
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            outbox.put((task_id, rank, ("ok", fn(*args, **kwargs))))
+        except BaseException as error:  # reported to the parent, never swallowed
+            failure = RankFailure(rank, type(error).__name__, str(error), traceback.format_exc())
+            outbox.put((task_id, rank, ("error", failure)))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, start_timeout_s: float = 120.0) -> None:
+        self.world_size = world_size
+        self.backend = pick_backend(world_size)
+        context = mp.get_context("spawn")
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                                    wait_for_workers=False)
+        self._outbox = context.Queue()
+        self._inboxes = [context.Queue() for _ in range(world_size)]
+        self._processes = [
+            context.Process(
+                target=_rank_main,
+                args=(rank, world_size, self.backend, self._store.port, self._inboxes[rank],
+                      self._outbox),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self._task_id = 0
+        self.broken = False
+        self._collect("ready", start_timeout_s)
+
+    def _collect(self, task_id: object, timeout_s: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        remaining = timeout_s
+        while len(results) < self.world_size:
+            try:
+                got_id, rank, payload = self._outbox.get(timeout=min(1.0, remaining))
+            except queue.Empty:
+                remaining -= 1.0
+                dead = [p for p in self._processes if not p.is_alive()]
+                if remaining <= 0 or dead:
+                    self.close()
+                    reason = "a rank process died" if dead else f"no result in {timeout_s:.0f} s"
+                    raise PoolBroken(f"{reason}; ranks done: {sorted(results)}") from None
+                continue
+            if got_id == task_id:
+                results[rank] = payload
+        return [results[rank] for rank in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+            **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; per-rank result or ``RankFailure``."""
+        if self.broken:
+            raise PoolBroken("pool was shut down")
+        self._task_id += 1
+        for inbox in self._inboxes:
+            inbox.put((self._task_id, fn, args, kwargs))
+        payloads = self._collect(self._task_id, timeout_s)
+        return [value for _, value in payloads]
+
+    def run_ok(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Like ``run`` but raises if any rank failed, with every rank's traceback."""
+        results = self.run(fn, *args, **kwargs)
+        failures = [r for r in results if isinstance(r, RankFailure)]
+        if failures:
+            raise AssertionError("\n".join(f"{f}\n{f.traceback}" for f in failures))
+        return results
+
+    def close(self) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for process in self._processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)

@@ -1,0 +1,203 @@
+"""The multi-rank suite: every (dispatcher × experts × layout × activation × mode) from the
+registries, on real ranks (gloo on CPU, NCCL with one GPU per rank), each rank checked per token
+against ``reference_moe`` with the derived tolerance (ep_runtime/tolerance.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ep_runtime.dispatch import DISPATCHERS
+from ep_runtime.experts import EXPERTS
+from ep_runtime.types import Activation, DispatchMode, TopkLayout
+from tests.multigpu import cases
+from tests.multigpu.cases import CaseSpec
+from tests.multigpu.expectations import expected_refusal
+from tests.multigpu.pool import RankFailure
+
+WORLD_SIZES = (1, 2, 4)
+
+
+def backend_matrix():
+    for dispatcher, experts, layout, activation, mode in itertools.product(
+        DISPATCHERS.names(), EXPERTS.names(), TopkLayout, Activation, DispatchMode
+    ):
+        yield CaseSpec(
+            dispatcher=dispatcher,
+            experts=experts,
+            layout=layout.value,
+            activation=activation.value,
+            mode=mode.value,
+        )
+
+
+def case_id(spec: CaseSpec) -> str:
+    return f"{spec.dispatcher}-{spec.experts}-{spec.layout}-{spec.activation}-{spec.mode}"
+
+
+def run_checked(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
+    """Run a layer case on every rank; skip (with the reason) only for an expected refusal."""
+    results = pool.run(cases.run_layer_case, spec, faults)
+    failures = [r for r in results if isinstance(r, RankFailure)]
+    if failures:
+        refused = [f for f in failures if f.type_name == "BackendUnavailableError"]
+        if len(refused) == len(results):
+            device_type = "cuda" if pool.backend == "nccl" else "cpu"
+            reasons = [
+                expected_refusal(name, device_type, spec.dtype)
+                for name in (spec.dispatcher, spec.experts)
+            ]
+            expected = [r for r in reasons if r]
+            if expected:
+                pytest.skip(f"{'; '.join(expected)} (refusal: {refused[0].message})")
+        raise AssertionError("\n".join(f"{f}\n{f.traceback}" for f in failures))
+    return results
+
+
+def assert_all_pass(results) -> None:
+    bad = [f"rank {r.rank}: {r.comparison.describe()}" for r in results if not r.comparison.passed]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("spec", list(backend_matrix()), ids=case_id)
+def test_layer_matches_reference(pool_factory, world_size: int, spec: CaseSpec) -> None:
+    results = run_checked(pool_factory(world_size), spec)
+    assert_all_pass(results)
+    assert {r.layout for r in results} == {spec.layout}
+
+
+@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_fp32(pool_factory, experts: str, layout: str, mode: str) -> None:
+    spec = CaseSpec(experts=experts, layout=layout, mode=mode, dtype=torch.float32)
+    assert_all_pass(run_checked(pool_factory(2), spec))
+
+
+EDGE_CASES = {
+    "no_tokens_on_rank0": dict(tokens=(0, 9)),
+    "no_tokens_anywhere": dict(tokens=(0, 0)),
+    "one_token": dict(tokens=(1, 1)),
+    "odd_tokens": dict(tokens=(7, 3)),
+    "all_to_one_expert": dict(routing="one_expert"),
+    "all_slots_unused_on_one_rank": dict(routing="all_unused"),
+    "k_equals_1": dict(top_k=1),
+    "k_below_config_top_k": dict(top_k=4, k=2),
+    "experts_equal_world": dict(num_experts=2, top_k=2),
+    "exact_chunked_past_cap": dict(cap=4, tokens=(11, 2)),
+}
+
+
+@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("edge", list(EDGE_CASES))
+def test_edge_cases(pool_factory, edge: str, mode: str, layout: str, experts: str) -> None:
+    changes = dict(EDGE_CASES[edge])
+    if mode == "capacity" and edge == "exact_chunked_past_cap":
+        pytest.skip("capacity mode rejects T > cap by design (tested in test_bad_input)")
+    spec = CaseSpec(experts=experts, layout=layout, mode=mode, **changes)
+    assert_all_pass(run_checked(pool_factory(2), spec))
+
+
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_world_of_four_edges(pool_factory, mode: str, layout: str) -> None:
+    spec = CaseSpec(
+        experts="grouped_mm", layout=layout, mode=mode, tokens=(0, 1, 6, 13), num_experts=4,
+        top_k=2,
+    )
+    assert_all_pass(run_checked(pool_factory(4), spec))
+
+
+NEGATIVE_CONTROLS = (
+    "zero_output",
+    "gate_up_swapped",
+    "weights_0x",
+    "weights_2x",
+    "dropped_slot",
+    "ids_off_by_rank",
+    "minus_one_is_expert",
+)
+
+
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("fault", NEGATIVE_CONTROLS)
+def test_negative_controls_fail_the_checker(pool_factory, fault: str, layout: str) -> None:
+    """Each injected bug must make the per-token check fail; the clean run must pass."""
+    spec = CaseSpec(experts="grouped_mm", layout=layout, tokens=(9, 12))
+    pool = pool_factory(2)
+    assert_all_pass(run_checked(pool, spec))
+    faulty = run_checked(pool, spec, (fault,))
+    assert any(not r.comparison.passed for r in faulty), (
+        f"checker passed the '{fault}' bug: "
+        + "; ".join(r.comparison.describe() for r in faulty)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_dispatch_is_bitwise(pool_factory, world_size: int, mode: str, layout: str) -> None:
+    spec = CaseSpec(layout=layout, mode=mode, top_k=3, tokens=(9, 0, 5, 12)[:world_size])
+    counts = pool_factory(world_size).run_ok(cases.check_dispatch_bitwise, spec)
+    assert sum(counts) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_round_trip_is_exact(pool_factory, world_size, dtype, mode, layout) -> None:
+    spec = CaseSpec(layout=layout, mode=mode, dtype=dtype, top_k=4, num_experts=8)
+    rows = pool_factory(world_size).run_ok(cases.check_round_trip, spec)
+    assert sum(rows) > 0
+
+
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
+def test_poison_mode_matches_clean_run(pool_factory, mode, layout, experts) -> None:
+    """NaN in padding rows, -1-slot weights and preallocated outputs must not leak."""
+    spec = CaseSpec(experts=experts, layout=layout, mode=mode, tokens=(6, 11))
+    pool = pool_factory(2)
+    clean = run_checked(pool, spec)
+    poisoned = run_checked(pool, cases.with_spec(spec, poison=True))
+    assert_all_pass(poisoned)
+    for c, p in zip(clean, poisoned, strict=True):
+        assert torch.isfinite(p.output).all()
+        assert torch.equal(c.output, p.output), f"rank {c.rank}: poison changed the output"
+
+
+def test_two_runs_are_bitwise_equal(pool_factory) -> None:
+    spec = CaseSpec(experts="grouped_mm", layout="expanded", tokens=(13, 7))
+    pool = pool_factory(2)
+    first, second = run_checked(pool, spec), run_checked(pool, spec)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a.output, b.output)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("fault", ["id_out_of_range", "wrong_hidden", "too_many_tokens"])
+def test_bad_input_on_one_rank_fails_every_rank(pool_factory, world_size, mode, fault) -> None:
+    """The bad rank raises ValueError naming the argument; every other rank raises an error
+    naming that rank, within 30 s, and the pool stays usable (nobody hangs)."""
+    if fault == "too_many_tokens" and mode == "exact":
+        pytest.skip("exact mode chunks T > cap instead of rejecting it")
+    bad_rank = world_size - 1
+    spec = CaseSpec(experts="grouped_mm", mode=mode, tokens=(5,) * world_size)
+    pool = pool_factory(world_size)
+    results = pool.run_ok(cases.timed_bad_input, spec, bad_rank, fault, timeout_s=60)
+    argument = {"id_out_of_range": "topk_ids", "wrong_hidden": "x", "too_many_tokens": "x"}[fault]
+    for rank, (type_name, message, seconds) in enumerate(results):
+        assert seconds < 30, f"rank {rank} took {seconds:.1f} s"
+        if rank == bad_rank:
+            assert type_name == "EPInputError" and message.startswith(f"{argument}:"), message
+        else:
+            assert type_name == "RemoteRankError", (type_name, message)
+            assert f"rank {bad_rank} failed" in message and argument in message, message
+    assert_all_pass(run_checked(pool, spec))  # the group is still healthy
