@@ -1,0 +1,271 @@
+"""Turn per-rank results into one report: a dict (the ``--json`` file), rich tables, a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ep_runtime.bench.metrics import imbalance
+
+CONVENTIONS = (
+    "bandwidth = bytes received per rank, own tokens included (DeepEP's definition), hidden "
+    "payload of valid rows only, averaged over ranks, over the phase time",
+    "phase time = per-iteration max over ranks after a barrier (and device sync); median shown",
+    "expert TFLOP/s counts valid (token, expert) pairs only, averaged over ranks",
+    "baselines from the same run: all_to_all_single of the same rows (the floor) and a dense "
+    "GEMM pair of the same FLOPs (the ceiling); 'vs baseline' = baseline time / phase time",
+)
+
+
+def _ms(stats: dict) -> dict:
+    return {
+        "median_ms": stats["median_s"] * 1e3,
+        "min_ms": stats["min_s"] * 1e3,
+        "max_ms": stats["max_s"] * 1e3,
+        "iterations": stats["iterations"],
+    }
+
+
+def _rate(amount_per_rank: list[float], seconds: float, unit: float) -> float:
+    """Mean over ranks of ``amount / seconds`` in ``unit``s (0 when not timed)."""
+    if seconds <= 0 or not amount_per_rank:
+        return 0.0
+    return sum(amount_per_rank) / len(amount_per_rank) / seconds / unit
+
+
+def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float) -> dict:
+    """The run's report from every rank's ``summarize()`` result (ordered by rank)."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    first = ranks[0]
+    world = len(ranks)
+    recv_bytes = [r["dispatch_received_bytes"] for r in ranks]
+    flops = [r["expert_flops"] for r in ranks]
+    baselines = {name: _ms(stats) for name, stats in first["baselines"].items()}
+    baseline_s = {name: stats["median_s"] for name, stats in first["baselines"].items()}
+    cases = []
+    for index, case in enumerate(first["cases"]):
+        phases = case["phases"]
+        seconds = {phase: stats["median_s"] for phase, stats in phases.items()}
+        validations = [r["cases"][index]["validation"] for r in ranks]
+        rates = {
+            "dispatch_GBps": _rate(recv_bytes, seconds["dispatch"], 1e9),
+            "combine_GBps": _rate(recv_bytes, seconds["combine"], 1e9),
+            "experts_TFLOPs": _rate(flops, seconds["experts"], 1e12),
+        }
+        ratios = {}
+        for phase, baseline in (
+            ("dispatch", "a2a_dispatch"),
+            ("combine", "a2a_combine"),
+            ("experts", "dense_gemm"),
+        ):
+            if baseline in baseline_s and seconds[phase] > 0:
+                ratios[f"{phase}_vs_{baseline}"] = baseline_s[baseline] / seconds[phase]
+        cases.append(
+            {
+                "dispatcher": case["dispatcher"],
+                "experts": case["experts"],
+                "layout": case["layout"],
+                "requested_layout": case["requested_layout"],
+                "choice": case["choice"],
+                "refused": case["refused"],
+                "phases": {phase: _ms(stats) for phase, stats in phases.items()},
+                "rates": rates,
+                "vs_baseline": ratios,
+                "passed": all(v["passed"] for v in validations),
+                "max_abs_err": max(v["max_abs_err"] for v in validations),
+                "max_rel_err": max(v["max_rel_err"] for v in validations),
+            }
+        )
+    rank_loads = [r["valid_pairs"] for r in ranks]
+    per_rank = []
+    for r in ranks:
+        validations = [case["validation"] for case in r["cases"]]
+        per_rank.append(
+            {
+                key: r[key]
+                for key in (
+                    "rank",
+                    "host",
+                    "pid",
+                    "device",
+                    "tokens",
+                    "received_rows",
+                    "dispatch_received_bytes",
+                    "combine_bytes",
+                    "valid_pairs",
+                    "expert_flops",
+                    "local_experts",
+                    "local_expert_counts",
+                    "expert_imbalance",
+                    "expert_weight_bytes",
+                    "peak_memory_bytes",
+                )
+            }
+            | {
+                "passed": all(v["passed"] for v in validations),
+                "max_abs_err": max(v["max_abs_err"] for v in validations),
+                "max_rel_err": max(v["max_rel_err"] for v in validations),
+                "validation": validations,
+            }
+        )
+    notes = list(spec.get("notes", []))
+    if world == 1:
+        notes.append("W = 1: dispatch/combine 'bandwidth' is a local memory copy, not a network")
+    return {
+        "passed": all(case["passed"] for case in cases),
+        "world_size": world,
+        "launcher": launcher,
+        "device": spec["device"],
+        "dtype": first["dtype"],
+        "model": spec["model"],
+        "mode": spec["mode"],
+        "tokens_per_rank": spec["model"]["tokens_per_rank"],
+        "dispatcher": cases[0]["dispatcher"],
+        "experts": cases[0]["experts"],
+        "layout": "+".join(case["layout"] for case in cases),
+        "max_abs_err": max(case["max_abs_err"] for case in cases),
+        "max_rel_err": max(case["max_rel_err"] for case in cases),
+        "tolerance": ranks[0]["cases"][0]["validation"]["tolerance"],
+        "phases": cases[0]["phases"],
+        "cases": cases,
+        "baselines": baselines,
+        "load": {
+            "global_expert_counts": first["global_expert_counts"],
+            "rank_valid_pairs": rank_loads,
+            "rank_imbalance": imbalance(rank_loads),
+            "expert_imbalance_per_rank": [r["expert_imbalance"] for r in ranks],
+            "traffic_rows": first["traffic_rows"],
+        },
+        "per_rank": per_rank,
+        "spec": spec,
+        "conventions": list(CONVENTIONS),
+        "notes": notes,
+        "elapsed_s": elapsed_s,
+    }
+
+
+def print_report(report: dict, console: Console) -> None:
+    """Summary line, a phase table (per layout) and a rank table."""
+    model = report["model"]
+    verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
+    console.print(
+        f"{verdict}  {model['name']} E={model['num_experts']} K={model['top_k']} "
+        f"H={model['hidden_size']} I={model['intermediate_size']} {model['activation']}  "
+        f"W={report['world_size']} ({report['launcher']}, {report['device']}, {report['dtype']}, "
+        f"{report['mode']})  T/rank={report['tokens_per_rank']}  "
+        f"max rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e})"
+    )
+    phases = Table(title="Phase times (max over ranks per iteration; median)")
+    for column in (
+        "backends",
+        "phase",
+        "median ms",
+        "min ms",
+        "rate",
+        "baseline ms",
+        "vs baseline",
+    ):
+        phases.add_column(column, justify="left" if column in ("backends", "phase") else "right")
+    baselines = report["baselines"]
+    for case in report["cases"]:
+        backends = f"{case['dispatcher']} / {case['experts']} / {case['layout']}"
+        rates = case["rates"]
+        rows = (
+            ("dispatch", f"{rates['dispatch_GBps']:.2f} GB/s", "a2a_dispatch"),
+            ("experts", f"{rates['experts_TFLOPs']:.3f} TFLOP/s", "dense_gemm"),
+            ("combine", f"{rates['combine_GBps']:.2f} GB/s", "a2a_combine"),
+            ("layer", "", None),
+        )
+        for phase, rate, baseline in rows:
+            stats = case["phases"][phase]
+            base = baselines.get(baseline) if baseline else None
+            ratio = case["vs_baseline"].get(f"{phase}_vs_{baseline}")
+            phases.add_row(
+                backends if phase == "dispatch" else "",
+                phase,
+                f"{stats['median_ms']:.3f}",
+                f"{stats['min_ms']:.3f}",
+                rate,
+                "" if base is None else f"{base['median_ms']:.3f}",
+                "" if ratio is None else f"{ratio:.2f}",
+            )
+    console.print(phases)
+    ranks = Table(title="Ranks")
+    for column in (
+        "rank", "host", "device", "tokens", "recv rows", "recv MB", "pairs", "expert max/mean",
+        "weights MB", "peak mem MB", "max rel err", "max abs err", "status",
+    ):  # fmt: skip
+        ranks.add_column(column, justify="right")
+    for r in report["per_rank"]:
+        ranks.add_row(
+            str(r["rank"]),
+            r["host"],
+            r["device"],
+            str(r["tokens"]),
+            str(r["received_rows"]),
+            f"{r['dispatch_received_bytes'] / 1e6:.2f}",
+            str(r["valid_pairs"]),
+            f"{r['expert_imbalance']:.2f}",
+            f"{r['expert_weight_bytes'] / 1e6:.1f}",
+            f"{r['peak_memory_bytes'] / 1e6:.0f}",
+            f"{r['max_rel_err']:.2e}",
+            f"{r['max_abs_err']:.2e}",
+            "[green]ok[/]" if r["passed"] else "[red]FAIL[/]",
+        )
+    console.print(ranks)
+    load = report["load"]
+    console.print(
+        f"load: rank imbalance (max/mean valid pairs) {load['rank_imbalance']:.2f}; "
+        + "; ".join(report["conventions"][:1])
+    )
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+def write_plot(report: dict, path: str | Path) -> None:
+    """PNG: phase medians per layout next to the baselines, and tokens per expert by rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_load) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels, values, colors = [], [], []
+    for case in report["cases"]:
+        for phase in ("dispatch", "experts", "combine", "layer"):
+            labels.append(f"{phase}\n{case['layout']}")
+            values.append(case["phases"][phase]["median_ms"])
+            colors.append("tab:blue")
+    for name, stats in report["baselines"].items():
+        labels.append(name.replace("_", "\n", 1))
+        values.append(stats["median_ms"])
+        colors.append("tab:gray")
+    ax_time.bar(range(len(values)), values, color=colors)
+    ax_time.set_xticks(range(len(values)), labels, fontsize=7)
+    ax_time.set_ylabel("ms (median of per-iteration max over ranks)")
+    ax_time.set_title(
+        f"{report['model']['name']} W={report['world_size']} "
+        f"{report['dispatcher']}/{report['experts']}"
+    )
+    counts = report["load"]["global_expert_counts"]
+    world = report["world_size"]
+    per_rank = len(counts) // world
+    palette = plt.get_cmap("tab10")
+    ax_load.bar(
+        range(len(counts)),
+        counts,
+        color=[palette((e // per_rank) % 10) for e in range(len(counts))],
+    )
+    ax_load.set_xlabel("expert (colour = owning rank)")
+    ax_load.set_ylabel("(token, expert) pairs")
+    ax_load.set_title(f"load: rank max/mean = {report['load']['rank_imbalance']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,355 @@
+"""The rank: the code every launcher (Ray actor, spawn process, torchrun process) runs.
+
+A run is a fixed list of collective steps (``plan``); every rank executes the same steps in the
+same order. A launcher either calls one step at a time on all ranks (Ray: progress and
+supervision between steps) or lets each rank run the whole plan (spawn, torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime import EPMoE
+from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm
+from ep_runtime.bench.metrics import (
+    Traffic,
+    destination_rows,
+    expert_flops_per_pair,
+    expert_token_counts,
+    imbalance,
+)
+from ep_runtime.bench.timing import PhaseClock, max_over_ranks_stats
+from ep_runtime.comm import Comm
+from ep_runtime.config import MoEConfig
+from ep_runtime.launch import workload
+from ep_runtime.launch.spec import RunSpec
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+
+PHASES = ("dispatch", "experts", "combine", "layer")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective step: ``RankWorker.<method>(*args)``; ``work`` units for progress bars."""
+
+    method: str
+    args: tuple
+    work: int
+    label: str
+
+
+def plan(spec: RunSpec) -> list[Step]:
+    """The steps of a run, identical on every rank."""
+    steps = [Step("setup", (), 1, "weights and inputs")]
+    chunk = max(1, spec.iters // 10)
+    for case, layout in enumerate(spec.layouts):
+        steps.append(Step("build", (case,), 1, f"build layer (layout {layout})"))
+        if spec.warmup:
+            steps.append(Step("run_iters", (spec.warmup, False), spec.warmup, "warm-up"))
+        for start in range(0, spec.iters, chunk):
+            count = min(chunk, spec.iters - start)
+            steps.append(Step("run_iters", (count, True), count, f"timed ({layout})"))
+        steps.append(Step("validate", (), 1, f"validate ({layout})"))
+        steps.append(Step("close_case", (), 0, "close layer"))
+    if spec.baselines:
+        steps.append(Step("baselines", (), 1, "baselines"))
+    steps.append(Step("summarize", (), 0, "summarize"))
+    return steps
+
+
+def run_plan(worker: RankWorker, on_step: Callable[[Step], None] | None = None) -> dict:
+    """Run every step on this rank; returns ``summarize()``'s result."""
+    result: dict = {}
+    for step in plan(worker.spec):
+        result = getattr(worker, step.method)(*step.args)
+        if on_step is not None:
+            on_step(step)
+    return result
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class RankWorker:
+    """One rank's state across the steps of a run. No CUDA work happens in ``__init__``."""
+
+    def __init__(self, spec: RunSpec, rank: int, device_index: int | None = None) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.device = (
+            torch.device("cuda", device_index or 0)
+            if spec.device == "cuda"
+            else torch.device("cpu")
+        )
+        self.comm: Comm | None = None
+        self.layer: EPMoE | None = None
+        self.case = -1
+        self.cases: list[dict] = []
+
+    # rendezvous -----------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def init_process_group(
+        self, store: dist.Store | None = None, init_method: str | None = None
+    ) -> None:
+        """NCCL on CUDA, gloo on CPU; the spec's timeout on every collective."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(1)  # ranks share the cores; BLAS threads would fight
+        options: dict = {
+            "backend": "nccl" if self.device.type == "cuda" else "gloo",
+            "rank": self.rank,
+            "world_size": self.spec.world_size,
+            "timeout": timedelta(seconds=self.spec.timeout_s),
+        }
+        if self.device.type == "cuda":
+            options["device_id"] = self.device  # eager NCCL init, bound to this GPU
+        if store is not None:
+            options["store"] = store
+        else:
+            options["init_method"] = init_method or "env://"
+        dist.init_process_group(**options)
+        self.comm = Comm.create(None, self.device)
+        self.clock = PhaseClock(self.comm)
+
+    def shutdown(self) -> None:
+        if self.layer is not None:
+            self.layer.close()
+            self.layer = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # steps ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Inputs and routing of this rank, its weight shard, and the global routing counts."""
+        spec, model, device = self.spec, self.spec.model, self.device
+        config = MoEConfig(
+            num_experts=model.num_experts,
+            top_k=model.top_k,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+            activation=model.activation,
+            dtype=spec.torch_dtype(),
+            max_tokens_per_rank=max(1, model.tokens_per_rank),
+        )
+        self.config = config
+        self.dtype = config.resolve_dtype(device)
+        tokens = model.tokens_per_rank
+        self.x = workload.rank_hidden_states(
+            model, self.rank, tokens, spec.seed, device, self.dtype
+        )
+        self.topk_ids, self.topk_weights = workload.rank_routing(
+            model, self.rank, tokens, spec.seed, device
+        )
+        num_local = model.num_experts // spec.world_size
+        self.local_experts = list(range(self.rank * num_local, (self.rank + 1) * num_local))
+        self.w13, self.w2 = workload.stacked_expert_weights(
+            model, self.local_experts, spec.seed, device, self.dtype
+        )
+        comm = self._comm()
+        per_rank_counts = comm.all_gather_object(
+            expert_token_counts(self.topk_ids, model.num_experts)
+        )
+        self.expert_counts = [sum(column) for column in zip(*per_rank_counts, strict=True)]
+        rows = comm.all_gather_object(
+            destination_rows(self.topk_ids, model.num_experts, spec.world_size)
+        )
+        self.traffic = Traffic(rows=rows, row_bytes=model.hidden_size * self.dtype.itemsize)
+        self.timed_iterations = 0
+
+    def build(self, case: int) -> dict:
+        """Construct the layer for ``spec.layouts[case]`` and load this rank's shard."""
+        spec = self.spec
+        self.case = case
+        self.layer = EPMoE(
+            self.config,
+            dispatcher=spec.dispatcher,
+            experts=spec.experts,
+            layout=spec.layouts[case],
+            mode=spec.mode,
+            max_tokens_per_rank=max(1, spec.model.tokens_per_rank),
+        )
+        self.layer.load_weights(self.w13, self.w2)  # local [L, ...] shard
+        choice = self.layer.choice
+        self.cases.append(
+            {
+                "requested_layout": spec.layouts[case],
+                "dispatcher": choice.dispatcher,
+                "experts": choice.experts,
+                "layout": choice.layout.value,
+                "refused": dict(choice.refused),
+                "choice": choice.describe(),
+                "times": {phase: [] for phase in PHASES},
+            }
+        )
+        return {"choice": choice.describe()}
+
+    def run_iters(self, count: int, timed: bool) -> None:
+        """``count`` iterations of dispatch, experts, combine (each timed alone) and the layer."""
+        layer, clock = self._layer(), self.clock
+        dispatcher, layout = layer.dispatcher, layer.layout
+        x, ids, weights = self.x, self.topk_ids, self.topk_weights
+        times = self.cases[self.case]["times"]
+        for _ in range(count):
+            if timed:
+                self._maybe_fail()
+            dispatched, t_dispatch = clock.time(
+                lambda: dispatcher.dispatch(x, ids, weights, layout, num_local_chunks=1)
+            )
+            expert_out, t_experts = clock.time(lambda d=dispatched: layer.experts.forward(d))
+            self.phase_out, t_combine = clock.time(
+                lambda e=expert_out, d=dispatched: dispatcher.combine(e, d)
+            )
+            _, t_layer = clock.time(lambda: layer(x, ids, weights))
+            if timed:
+                self.timed_iterations += 1
+                for phase, seconds in zip(
+                    PHASES, (t_dispatch, t_experts, t_combine, t_layer), strict=True
+                ):
+                    times[phase].append(seconds)
+
+    def validate(self) -> dict:
+        """Layer output on a token sample vs ``reference_moe`` (only the experts it touches), and
+        the phase-by-phase output vs the layer's, bitwise (DESIGN.md: combine is deterministic)."""
+        layer, spec, model = self._layer(), self.spec, self.spec.model
+        out = layer(self.x, self.topk_ids, self.topk_weights)  # [T, H]
+        dispatched = layer.dispatcher.dispatch(
+            self.x, self.topk_ids, self.topk_weights, layer.layout, num_local_chunks=1
+        )
+        phase_out = layer.dispatcher.combine(layer.experts.forward(dispatched), dispatched)
+        sample = workload.validation_sample(out.size(0), spec.validate_tokens, spec.seed, self.rank)
+        rows = sample.to(self.device)
+        reference, touched = workload.sampled_reference(
+            model, self.x[rows], self.topk_ids[rows], self.topk_weights[rows], spec.seed
+        )
+        tolerance = tolerance_for(self.dtype, max(model.hidden_size, model.intermediate_size))
+        comparison = compare_per_token(out[rows], reference, tolerance)
+        deterministic = torch.equal(out, phase_out)
+        result = {
+            "passed": comparison.passed and deterministic,
+            "max_abs_err": comparison.max_abs_error,
+            "max_rel_err": comparison.max_relative_error,
+            "tolerance": tolerance,
+            "validated_tokens": comparison.num_tokens,
+            "finite": comparison.finite,
+            "deterministic": deterministic,
+            "experts_regenerated": len(touched),
+            "verdict": comparison.describe(),
+        }
+        self.cases[self.case]["validation"] = result
+        return result
+
+    def close_case(self) -> None:
+        self._layer().close()
+        self.layer = None
+
+    def baselines(self) -> None:
+        """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
+        spec, model = self.spec, self.spec.model
+        iters, warmup = max(1, spec.iters), spec.warmup
+        num_pairs = self._local_pairs()
+        self.baseline_times = {
+            "a2a_dispatch": time_all_to_all(
+                self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup
+            ),
+            "a2a_combine": time_all_to_all(
+                self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup, reverse=True
+            ),
+            "dense_gemm": time_dense_gemm(
+                self.clock,
+                num_pairs,
+                model.hidden_size,
+                model.intermediate_size,
+                model.activation == "silu",
+                self.dtype,
+                iters,
+                warmup,
+            ),
+        }
+
+    def summarize(self) -> dict:
+        """This rank's results plus the cross-rank phase statistics (identical on every rank)."""
+        comm, model = self._comm(), self.spec.model
+        local_counts = [self.expert_counts[e] for e in self.local_experts]
+        cases = []
+        for case in self.cases:
+            gathered = comm.all_gather_object(case["times"])
+            stats = {
+                phase: max_over_ranks_stats([times[phase] for times in gathered]).to_json()
+                for phase in PHASES
+            }
+            cases.append({k: v for k, v in case.items() if k != "times"} | {"phases": stats})
+        baselines = {}
+        for name, times in getattr(self, "baseline_times", {}).items():
+            baselines[name] = max_over_ranks_stats(comm.all_gather_object(times)).to_json()
+        gated = model.activation == "silu"
+        return {
+            **self.describe(),
+            "device": str(self.device),
+            "tokens": model.tokens_per_rank,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "received_rows": self.traffic.received_rows(self.rank),
+            "dispatch_received_bytes": self.traffic.dispatch_received_bytes(self.rank),
+            "combine_bytes": self.traffic.combine_bytes(self.rank),
+            "valid_pairs": sum(local_counts),
+            "expert_flops": sum(local_counts)
+            * expert_flops_per_pair(model.hidden_size, model.intermediate_size, gated),
+            "local_experts": [self.local_experts[0], self.local_experts[-1] + 1],
+            "local_expert_counts": local_counts,
+            "expert_imbalance": imbalance(local_counts),
+            "expert_weight_bytes": self.w13.nbytes + self.w2.nbytes,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "cases": cases,
+            # identical on every rank:
+            "global_expert_counts": self.expert_counts,
+            "traffic_rows": self.traffic.rows,
+            "baselines": baselines,
+        }
+
+    # helpers --------------------------------------------------------------------------------
+    def _comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError("init_process_group() must run before the steps")
+        return self.comm
+
+    def _layer(self) -> EPMoE:
+        if self.layer is None:
+            raise RuntimeError("build() must run before this step")
+        return self.layer
+
+    def _local_pairs(self) -> int:
+        return sum(self.expert_counts[e] for e in self.local_experts)
+
+    def _maybe_fail(self) -> None:
+        """Test hook (``--inject-failure``): fail as told, on the first layout only."""
+        failure = self.spec.inject_failure
+        if (
+            failure is None
+            or failure.rank != self.rank
+            or self.case != 0
+            or failure.iteration != self.timed_iterations
+        ):
+            return
+        if failure.kind == "raise":
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+        if failure.kind == "exit":
+            os._exit(1)
+        if failure.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10**9)  # "hang": peers must time out of their collective

@@ -1,0 +1,290 @@
+"""Ray launcher: one placement group of N bundles, one rank actor per bundle, a supervised run.
+
+Pattern (reference/ray.md §4): rank actors report (node, ip, gpu); ranks are ordered by (driver's
+node first, ip, gpu); rank 0 binds a TCPStore on port 0 and publishes the port (no free-port race);
+NCCL on GPUs with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray does not mask devices;
+each rank picks its GPU itself), gloo on CPU. The driver issues one collective step at a time and
+watches every rank with ``ray.wait``: the first failure kills every actor, removes the placement
+group and (for a cluster it started) shuts Ray down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ep_runtime.launch.progress import RunProgress
+from ep_runtime.launch.rank import RankWorker, Step, plan
+from ep_runtime.launch.spec import RankFailure, RunSpec
+from ep_runtime.launch.supervision import (
+    GRACE_S,
+    Failure,
+    FailureKind,
+    classify_exception_text,
+    root_failure,
+)
+
+PROPAGATED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "EP_")
+PROPAGATED_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
+RANK_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # as Ray Train: fail, don't hang
+PLACEMENT_TIMEOUT_S = 60.0
+POLL_S = 0.25  # ray.wait slice: keeps Ctrl-C responsive
+
+
+class LaunchError(RuntimeError):
+    """The run could not start (no cluster, not enough resources); no rank failed."""
+
+
+def propagated_env() -> dict[str, str]:
+    """Whitelisted driver variables for the ranks; never CUDA_VISIBLE_DEVICES/RANK/MASTER_*."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(PROPAGATED_PREFIXES) or key in PROPAGATED_NAMES
+    }
+    return RANK_ENV_DEFAULTS | env
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class RankActor:
+    """Hosts one ``RankWorker``. No CUDA work before ``start``."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.worker: RankWorker | None = None
+        self.store: dist.TCPStore | None = None
+
+    def meta(self) -> dict:
+        """Where this actor runs and which GPU it was given (device index, not masked)."""
+        context = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        device_index = None
+        if gpu_ids:
+            visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+            device_index = visible.index(gpu_ids[0]) if gpu_ids[0] in visible else int(gpu_ids[0])
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_id": int(gpu_ids[0]) if gpu_ids and gpu_ids[0].isdigit() else -1,
+            "device_index": device_index,
+            "pid": os.getpid(),
+        }
+
+    def bind_store(self, host: str) -> int:
+        """Rank 0: the kernel picks the port atomically; the driver hands it to the others."""
+        self.store = dist.TCPStore(
+            host,
+            0,
+            self.spec.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.spec.timeout_s),
+        )
+        return self.store.port
+
+    def start(self, rank: int, device_index: int | None, host: str, port: int) -> None:
+        store = self.store or dist.TCPStore(
+            host,
+            port,
+            self.spec.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=self.spec.timeout_s),
+        )
+        self.worker = RankWorker(self.spec, rank, device_index)
+        self.worker.init_process_group(store=store)
+
+    def step(self, method: str, args: tuple) -> object:
+        assert self.worker is not None, "start() first"
+        return getattr(self.worker, method)(*args)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class RaySession:
+    """Connect to a cluster, or start a private local one that ``close`` fully removes."""
+
+    def __init__(self, address: str | None) -> None:
+        self.owns_cluster = False
+        self.temp_dir: str | None = None
+        if ray.is_initialized():  # an embedding program (or a test) already connected
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if address is None:
+            address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
+        if address == "local":
+            # a short private temp dir: no collisions with other local clusters, socket paths
+            # stay under the 107-byte limit, and everything is removed at the end
+            self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                _temp_dir=self.temp_dir,
+                logging_level="WARNING",
+            )
+            self.owns_cluster = True
+        else:
+            ray.init(address=address, logging_level="WARNING")
+
+    def close(self) -> None:
+        if self.owns_cluster:
+            ray.shutdown()
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def resolve_device(requested: str, world_size: int) -> str:
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if requested == "cuda" and gpus < world_size:
+        raise LaunchError(
+            f"--device cuda: the cluster has {gpus:g} GPUs, --dp {world_size} needs one each"
+        )
+    if requested == "auto":
+        return "cuda" if gpus >= world_size else "cpu"
+    return requested
+
+
+def reserve_bundles(device: str, world_size: int):
+    """One bundle per rank; STRICT_PACK when one node can hold them all, else PACK."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    total_cpus = sum(n.get("CPU", 0) for n in nodes)
+    cpus = min(1.0, int(total_cpus / world_size * 4) / 4) or 0.25  # fractional on small boxes
+    bundle = {"CPU": cpus, "GPU": 1} if device == "cuda" else {"CPU": cpus}
+    fits_one_node = any(
+        all(n.get(key, 0) >= amount * world_size for key, amount in bundle.items()) for n in nodes
+    )
+    strategy = "STRICT_PACK" if fits_one_node else "PACK"
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise LaunchError(
+            f"placement group of {world_size} x {bundle} ({strategy}) not ready after "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s; available: {ray.available_resources()}"
+        )
+    return group, bundle
+
+
+def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
+    """Results of ``refs[rank]``; on the first failure, gather failures for ``GRACE_S`` and raise
+    the root cause (``RankFailure``). ``timeout_s`` bounds the whole step."""
+    pending = {ref: rank for rank, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    failures: list[Failure] = []
+    deadline = time.monotonic() + timeout_s
+    grace_end = None
+    while pending:
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        if now >= deadline:
+            raise RankFailure(
+                None,
+                f"step {where}",
+                f"no answer within {timeout_s:.0f} s from ranks {sorted(pending.values())}",
+            )
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        for ref in done:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as error:  # the process died (killed, exited, OOM)
+                failures.append(
+                    Failure(rank, FailureKind.DIED, f"rank {rank} died: {error}", len(failures))
+                )
+            except RayTaskError as error:  # str() carries the remote traceback
+                text = str(error)
+                failures.append(Failure(rank, classify_exception_text(text), text, len(failures)))
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + GRACE_S
+    if failures:
+        raise root_failure(failures, f"step {where}", still_running=list(pending.values()))
+    return results
+
+
+def run_with_ray(
+    spec: RunSpec, address: str | None, progress_factory
+) -> tuple[RunSpec, list[dict]]:
+    """Run ``spec`` on Ray; returns the resolved spec and every rank's summary, by rank."""
+    session = RaySession(address)
+    group = None
+    actors: list = []
+    try:
+        spec = dataclasses.replace(spec, device=resolve_device(spec.device, spec.world_size))
+        steps = plan(spec)
+        with progress_factory(steps) as progress:
+            progress.status("reserving placement group")
+            group, bundle = reserve_bundles(spec.device, spec.world_size)
+            env = propagated_env()
+            if spec.device == "cuda":
+                env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+            actors = [
+                RankActor.options(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, index),
+                    runtime_env={"env_vars": env},
+                ).remote(spec)
+                for index in range(spec.world_size)
+            ]
+            progress.status("starting rank actors")
+            metas = supervise([a.meta.remote() for a in actors], "start-up", spec.timeout_s * 3)
+            order = rank_order(metas)
+            actors, metas = [actors[i] for i in order], [metas[i] for i in order]
+            host = "127.0.0.1" if len({m["node_id"] for m in metas}) == 1 else metas[0]["ip"]
+            progress.status("rendezvous")
+            [port] = supervise([actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s)
+            supervise(
+                [
+                    a.start.remote(r, m["device_index"], host, port)
+                    for r, (a, m) in enumerate(zip(actors, metas, strict=True))
+                ],
+                "process group init",
+                spec.timeout_s * 2,
+            )
+            summaries = run_steps(actors, steps, spec, progress)
+        with contextlib.suppress(Exception):
+            ray.get([a.shutdown.remote() for a in actors], timeout=10)
+        return spec, summaries
+    finally:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+        session.close()
+
+
+def rank_order(metas: list[dict]) -> list[int]:
+    """Actor indices in rank order: the driver's node first, then node ip, then GPU id."""
+    driver_node = ray.get_runtime_context().get_node_id()
+    return sorted(
+        range(len(metas)),
+        key=lambda i: (metas[i]["node_id"] != driver_node, metas[i]["ip"], metas[i]["gpu_id"], i),
+    )
+
+
+def run_steps(actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress) -> list[dict]:
+    """Each step on every rank at once, supervised; the last step's results are the summaries."""
+    step_timeout = spec.timeout_s * 10  # collectives time out long before; guards local hangs
+    results: list = []
+    for step in steps:
+        results = supervise(
+            [a.step.remote(step.method, step.args) for a in actors], step.label, step_timeout
+        )
+        progress.done(step)
+    return results

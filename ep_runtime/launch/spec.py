@@ -1,0 +1,76 @@
+"""What a run is (``RunSpec``, picklable, sent to every rank) and how a failed run is reported."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ep_runtime.launch.presets import ModelPreset
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FAILURE_KINDS = ("raise", "exit", "kill", "hang")
+
+
+@dataclass(frozen=True)
+class FailureInjection:
+    """Test hook: make ``rank`` fail at timed iteration ``iteration`` of the first layout.
+
+    raise: a Python exception; exit: ``os._exit(1)``; kill: SIGKILL itself; hang: sleep forever.
+    """
+
+    rank: int
+    kind: str
+    iteration: int = 0
+
+    @staticmethod
+    def parse(text: str) -> FailureInjection:
+        """``RANK:KIND[:ITER]``, e.g. ``1:raise`` or ``0:kill:2``."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or parts[1] not in FAILURE_KINDS:
+            raise ValueError(
+                f"--inject-failure: expected RANK:{'|'.join(FAILURE_KINDS)}[:ITER], given {text!r}"
+            )
+        return FailureInjection(int(parts[0]), parts[1], int(parts[2]) if len(parts) == 3 else 0)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs to build and run its part, identical on every rank."""
+
+    model: ModelPreset
+    world_size: int
+    device: str  # "cpu" or "cuda", resolved by the launcher
+    dtype: str  # "auto", "bf16" or "fp32"
+    dispatcher: str = "auto"
+    experts: str = "auto"
+    layouts: tuple[str, ...] = ("auto",)  # one layer per entry, run one after the other
+    mode: str = "exact"
+    iters: int = 10
+    warmup: int = 3
+    seed: int = 0
+    validate_tokens: int = 64  # per rank; 0 = every token
+    baselines: bool = True
+    timeout_s: float = 60.0  # every collective; a desync fails instead of hanging
+    inject_failure: FailureInjection | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def torch_dtype(self) -> torch.dtype | None:
+        """``None`` lets ``MoEConfig`` choose (bf16 on CUDA, fp32 on CPU)."""
+        return None if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["model"] = self.model.to_json()
+        return data
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died: the run was ended; ``rank`` is the first one that failed."""
+
+    def __init__(self, rank: int | None, where: str, detail: str) -> None:
+        self.rank = rank
+        self.where = where
+        self.detail = detail
+        who = "a rank" if rank is None else f"rank {rank}"
+        super().__init__(f"{who} ({where}) failed:\n{detail}")

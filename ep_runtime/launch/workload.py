@@ -1,0 +1,133 @@
+"""Deterministic workload: weights per (seed, expert id), inputs per (seed, rank), and validation
+on a token sample that regenerates only the experts the sample touches.
+
+Every tensor comes from its own generator seeded by a stable hash of (seed, what, index), so a
+rank builds only its shard of experts and any rank can rebuild any expert bit for bit. Values
+depend on the device's generator (CPU and CUDA streams differ); a run uses one device type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from ep_runtime.launch.presets import ModelPreset
+from ep_runtime.reference import reference_moe
+from ep_runtime.routing import route
+
+EXPERTS_PER_VALIDATION_CHUNK = 8  # experts resident at once while computing the reference
+
+
+def stream_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed from (seed, parts), stable across processes (unlike ``hash``)."""
+    text = "/".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def _generator(device: torch.device, seed: int, *parts: object) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(stream_seed(seed, *parts))
+
+
+def _randn(shape: tuple[int, ...], scale: float, gen: torch.Generator, device: torch.device):
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale
+
+
+def w13_rows(model: ModelPreset) -> int:
+    """``2I`` for gated ``silu`` (``[gate; up]``), ``I`` for ``relu2``."""
+    return 2 * model.intermediate_size if model.activation == "silu" else model.intermediate_size
+
+
+def expert_weights(
+    model: ModelPreset, expert: int, seed: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [2I|I, H], w2 [H, I])`` of one expert, rounded to ``dtype``; N(0, 1/fan_in)."""
+    gen = _generator(device, seed, "expert", expert)
+    hidden, inter = model.hidden_size, model.intermediate_size
+    w13 = _randn((w13_rows(model), hidden), 1 / math.sqrt(hidden), gen, device).to(dtype)
+    w2 = _randn((hidden, inter), 1 / math.sqrt(inter), gen, device).to(dtype)
+    return w13, w2
+
+
+def stacked_expert_weights(
+    model: ModelPreset, experts: list[int], seed: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [N, 2I|I, H], w2 [N, H, I])`` for the listed experts, built one at a time."""
+    hidden, inter = model.hidden_size, model.intermediate_size
+    w13 = torch.empty(len(experts), w13_rows(model), hidden, device=device, dtype=dtype)
+    w2 = torch.empty(len(experts), hidden, inter, device=device, dtype=dtype)
+    for slot, expert in enumerate(experts):
+        w13[slot], w2[slot] = expert_weights(model, expert, seed, device, dtype)
+    return w13, w2
+
+
+def shard_weight_bytes(model: ModelPreset, world_size: int, dtype: torch.dtype) -> int:
+    """Bytes of expert weights one rank holds: ``E/W · (rows·H + H·I)`` elements."""
+    per_expert = (w13_rows(model) + model.intermediate_size) * model.hidden_size
+    return model.num_experts // world_size * per_expert * dtype.itemsize
+
+
+def rank_hidden_states(
+    model: ModelPreset, rank: int, tokens: int, seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``x [T, H]`` of one rank, N(0, 1), rounded to ``dtype``."""
+    gen = _generator(device, seed, "x", rank)
+    return _randn((tokens, model.hidden_size), 1.0, gen, device).to(dtype)
+
+
+def rank_routing(
+    model: ModelPreset, rank: int, tokens: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_ids [T, K] int32, topk_weights [T, K] fp32)`` from the model's own router."""
+    logits = _randn(
+        (tokens, model.num_experts), 1.0, _generator(device, seed, "logits", rank), device
+    )
+    router = model.router
+    bias = None
+    if router.correction_bias:  # one bias for the whole model, shared by every rank
+        bias = _randn((model.num_experts,), 0.1, _generator(device, seed, "bias"), device)
+    return route(
+        logits,
+        model.top_k,
+        scoring=router.scoring,
+        renormalize=router.renormalize,
+        correction_bias=bias,
+        num_expert_groups=router.num_expert_groups,
+        num_topk_groups=router.num_topk_groups,
+        routed_scaling_factor=router.routed_scaling_factor,
+    )
+
+
+def validation_sample(tokens: int, count: int, seed: int, rank: int) -> torch.Tensor:
+    """Sorted row indices (int64, on CPU) of the tokens a rank validates; ``count=0``: all."""
+    if count <= 0 or count >= tokens:
+        return torch.arange(tokens)
+    gen = torch.Generator().manual_seed(stream_seed(seed, "sample", rank))
+    return torch.randperm(tokens, generator=gen)[:count].sort().values
+
+
+def sampled_reference(
+    model: ModelPreset,
+    x: torch.Tensor,  # [S, H] compute dtype, the sampled rows
+    topk_ids: torch.Tensor,  # [S, K] global ids
+    topk_weights: torch.Tensor,  # [S, K] fp32
+    seed: int,
+    experts_per_chunk: int = EXPERTS_PER_VALIDATION_CHUNK,
+) -> tuple[torch.Tensor, list[int]]:
+    """``reference_moe`` on the sample (fp32 ``[S, H]``) and the experts it regenerated.
+
+    Experts are regenerated ``experts_per_chunk`` at a time with ids remapped to the chunk, so
+    memory is bounded by the chunk, not by E (DeepSeek-V3 has 256 experts, 22 GB in bf16).
+    """
+    touched = sorted(int(e) for e in topk_ids[topk_ids >= 0].unique().tolist())
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    for start in range(0, len(touched), experts_per_chunk):
+        chunk = touched[start : start + experts_per_chunk]
+        w13, w2 = stacked_expert_weights(model, chunk, seed, x.device, x.dtype)
+        chunk_ids = torch.full_like(ids, -1)
+        for slot, expert in enumerate(chunk):
+            chunk_ids[ids == expert] = slot
+        out += reference_moe(x, chunk_ids, topk_weights, w13, w2, activation=model.activation)
+    return out, touched
