@@ -1,0 +1,217 @@
+"""Load-time self-check for experts backends that may never have run on the user's hardware.
+
+When: on the first ``load_weights`` of a backend on a device (per process and activation), before
+the user's weights are used. What: the backend runs a small hand-made problem for a virtual rank
+(rank 1 of 3, so the expert offset is > 0) in both layouts, with local, non-local and -1 ids, a
+padding row of NaN, NaN weights on -1 slots, an intermediate size that needs padding and a
+NaN-filled output buffer, and is compared per token to ``reference_moe`` with the derived
+tolerance. A mismatch (or an exception) refuses the backend with the numbers: ``load_weights``
+raises ``BackendUnavailableError`` and ``unavailable_reason`` keeps refusing it in this process,
+so "auto" moves on. Skip it with ``EP_RUNTIME_SKIP_SELF_CHECK=1``.
+
+``make_check_problem`` is also what the real-kernel tests feed the backends.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ep_runtime.config import MoEConfig
+from ep_runtime.experts.base import Experts, ExpertsSetup
+from ep_runtime.placement import ExpertPlacement
+from ep_runtime.reference import reference_moe
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+from ep_runtime.types import Activation, BackendUnavailableError, Dispatched, TopkLayout
+
+SKIP_ENV = "EP_RUNTIME_SKIP_SELF_CHECK"
+
+# The check problem: small, fast, and reaching every branch the contract names.
+CHECK_NUM_EXPERTS = 6
+CHECK_WORLD_SIZE = 3
+CHECK_RANK = 1  # expert offset 2: an adapter that ignores the offset fails
+CHECK_TOP_K = 3
+CHECK_HIDDEN = 128
+CHECK_INTERMEDIATE = 96  # not a multiple of 128: TRTLLM's padding is exercised
+CHECK_TOKENS = 12
+
+_PASSED = "passed"
+_RUNNING = "running"
+_outcomes: dict[tuple[str, str, Activation], str] = {}  # key -> _PASSED, _RUNNING or a failure
+
+
+@dataclass(frozen=True)
+class CheckProblem:
+    """A hand-made ``Dispatched`` for one virtual rank, with its local weights and oracle."""
+
+    setup: ExpertsSetup
+    dispatched: Dispatched
+    w13: torch.Tensor  # [L, 2I | I, H] local experts, [gate; up] when gated
+    w2: torch.Tensor  # [L, H, I]
+    reference: torch.Tensor  # [R, H] float32: reference_moe on the dispatched rows
+
+
+def check_setup(
+    activation: Activation,
+    device: torch.device,
+    *,
+    num_experts: int = CHECK_NUM_EXPERTS,
+    world_size: int = CHECK_WORLD_SIZE,
+    rank: int = CHECK_RANK,
+    top_k: int = CHECK_TOP_K,
+    hidden: int = CHECK_HIDDEN,
+    intermediate: int = CHECK_INTERMEDIATE,
+) -> ExpertsSetup:
+    """A bf16 ``ExpertsSetup`` for virtual rank ``rank`` of ``world_size``."""
+    config = MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        activation=activation,
+        dtype=torch.bfloat16,
+    )
+    placement = ExpertPlacement(num_experts, rank, world_size)
+    return ExpertsSetup(config, placement, device, torch.bfloat16)
+
+
+def make_check_problem(
+    setup: ExpertsSetup, layout: TopkLayout, num_tokens: int = CHECK_TOKENS, seed: int = 0
+) -> CheckProblem:
+    """Deterministic rows for ``setup``'s virtual rank (of a world of >= 2), in ``layout``.
+
+    STANDARD: ``[T, K]`` global ids mixing local, non-local and -1 slots; row ``T // 2`` is
+    padding (all -1, hidden NaN). EXPANDED: one row per (token, local slot), grouped by local
+    expert, each group followed by one padding row (offsets include it). Weights are distinct,
+    unnormalised, NaN on -1 slots.
+    """
+    config, placement = setup.config, setup.placement
+    dtype, device = setup.dtype, setup.device
+    num_local, offset = placement.num_local_experts, placement.local_expert_offset
+    generator = torch.Generator().manual_seed(seed)
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    w13 = torch.randn(num_local, config.w13_rows, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(num_local, hidden, intermediate, generator=generator) / intermediate**0.5
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    scores = torch.rand(num_tokens, config.num_experts, generator=generator)
+    ids = scores.topk(config.top_k, dim=1).indices  # [T, K] distinct global ids per row
+    ids[0] = -1  # row 0: one local slot and one non-local slot for certain
+    ids[0, 0] = offset + num_local - 1
+    if config.top_k > 1:
+        ids[0, 1] = (offset + num_local) % config.num_experts
+    unused = torch.rand(num_tokens, config.top_k, generator=generator) < 0.2
+    ids = torch.where(unused, -1, ids)
+    ids[num_tokens // 2] = -1
+    x[num_tokens // 2] = float("nan")
+    weights = 0.25 + 1.5 * torch.rand(num_tokens, config.top_k, generator=generator)
+    weights = torch.where(ids >= 0, weights, float("nan"))
+
+    local = ids - offset
+    served = (ids >= 0) & (local >= 0) & (local < num_local)
+    if layout is TopkLayout.EXPANDED:
+        x, weights, local, served, offsets = _expand(x, local, weights, served, num_local)
+        ids = torch.where(served, local + offset, -1)
+    else:
+        offsets = None
+    counts = torch.stack([(served & (local == e)).sum() for e in range(num_local)])
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    local_ids = torch.where(served, local, -1)
+    reference = reference_moe(x, local_ids, weights, w13, w2, config.activation)
+    dispatched = Dispatched(
+        hidden_states=x.to(device),
+        topk_ids=ids.to(torch.int32).to(device),
+        topk_weights=weights.to(device),
+        layout=layout,
+        expert_offsets=None if offsets is None else offsets.to(device),
+        expert_num_tokens=counts.to(torch.int32).to(device),
+        expert_num_tokens_cpu=counts.tolist(),
+        num_valid_rows=x.size(0),
+        handle=None,
+    )
+    return CheckProblem(setup, dispatched, w13.to(device), w2.to(device), reference)
+
+
+def _expand(
+    x: torch.Tensor,  # [T, H]
+    local: torch.Tensor,  # [T, K] local index (meaningful where served)
+    weights: torch.Tensor,  # [T, K]
+    served: torch.Tensor,  # [T, K] bool
+    num_local: int,
+) -> tuple[torch.Tensor, ...]:
+    """EXPANDED rows grouped by local expert, a NaN padding row closing each group:
+    ``(x [N, H], weights [N, 1], local [N, 1], served [N, 1] bool, offsets [L + 1] int32)``."""
+    pad_x = torch.full((1, x.size(1)), float("nan"))
+    rows, row_weights, row_local, row_served, offsets = [], [], [], [], [0]
+    for expert in range(num_local):
+        token, slot = (served & (local == expert)).nonzero(as_tuple=True)
+        count = token.numel()
+        rows += [x[token], pad_x]
+        row_weights += [weights[token, slot], torch.tensor([float("nan")])]
+        row_local += [torch.full((count + 1,), expert)]
+        row_served += [torch.ones(count, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)]
+        offsets.append(offsets[-1] + count + 1)
+    return (
+        torch.cat(rows),
+        torch.cat(row_weights).unsqueeze(1),
+        torch.cat(row_local).unsqueeze(1),
+        torch.cat(row_served).unsqueeze(1),
+        torch.tensor(offsets, dtype=torch.int32),
+    )
+
+
+def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
+    """Run ``cls`` on the check problem in both layouts; a failure description, or None."""
+    for layout in TopkLayout:
+        problem = make_check_problem(setup, layout)
+        backend = cls(setup)
+        backend.load_weights(problem.w13, problem.w2)
+        rows, hidden = problem.dispatched.hidden_states.shape
+        out = torch.full((rows, hidden), float("nan"), dtype=setup.dtype, device=setup.device)
+        result = backend.forward(problem.dispatched, out=out)
+        tolerance = tolerance_for(setup.dtype, max(hidden, setup.config.intermediate_size))
+        comparison = compare_per_token(result, problem.reference, tolerance)
+        if not comparison.passed:
+            c = setup.config
+            return (
+                f"self-check against reference_moe failed ({layout.value} layout, virtual rank "
+                f"{setup.placement.rank} of {setup.placement.world_size}, E={c.num_experts}, "
+                f"H={c.hidden_size}, I={c.intermediate_size}, {c.activation.value}): "
+                f"{comparison.describe()}"
+            )
+    return None
+
+
+def _key(name: str, device: torch.device, activation: Activation) -> tuple[str, str, Activation]:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (name, str(device), activation)
+
+
+def ensure_self_check(backend: Experts) -> None:
+    """Run the self-check once per (backend, device, activation); raise on failure.
+
+    Called at the end of ``load_weights``; the check's own loads find the key and return.
+    """
+    key = _key(backend.name, backend.setup.device, backend.activation)
+    outcome = _outcomes.get(key)
+    if outcome is None:
+        if os.environ.get(SKIP_ENV) == "1":
+            return
+        _outcomes[key] = _RUNNING
+        setup = check_setup(backend.activation, backend.setup.device)
+        try:
+            outcome = check_backend(type(backend), setup) or _PASSED
+        except Exception as error:  # a kernel that raises is refused like a wrong one
+            outcome = f"self-check raised {type(error).__name__}: {error}"
+        _outcomes[key] = outcome
+    if outcome not in (_PASSED, _RUNNING):
+        hint = f" (set {SKIP_ENV}=1 to skip the check)"
+        raise BackendUnavailableError("experts", backend.name, {backend.name: outcome + hint})
+
+
+def self_check_failure(name: str, device: torch.device, activation: Activation) -> str | None:
+    """The recorded self-check failure of backend ``name`` here, if it failed in this process."""
+    outcome = _outcomes.get(_key(name, device, activation))
+    return None if outcome in (None, _PASSED, _RUNNING) else outcome
