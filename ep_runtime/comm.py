@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Comm:
-    """A process group (or none: a world of 1) with its rank, size and the device it moves data on."""
+    """A process group (or none: a world of 1), its rank and size, and the device data moves on."""
 
     group: dist.ProcessGroup | None
     rank: int

@@ -14,8 +14,8 @@ from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.base import (
     DISPATCHERS,
-    DispatchSetup,
     Dispatcher,
+    DispatchSetup,
     acquire_dispatcher,
     release_dispatcher,
 )
@@ -58,10 +58,14 @@ def choose_backends(
     refused: dict[str, str] = {}
     for experts_cls in EXPERTS.candidates(experts):
         caps = experts_cls.capabilities
-        layouts = [layout] if layout is not None else [
-            caps.preferred_layout,
-            *(x for x in TopkLayout if x != caps.preferred_layout),
-        ]
+        layouts = (
+            [layout]
+            if layout is not None
+            else [
+                caps.preferred_layout,
+                *(x for x in TopkLayout if x != caps.preferred_layout),
+            ]
+        )
         for candidate_layout in layouts:
             reason = experts_cls.refusal(experts_setup, candidate_layout)
             if reason is not None:
@@ -118,7 +122,9 @@ class EPMoE(torch.nn.Module):
             requested_layout = None if layout == "auto" else TopkLayout(layout)
         except ValueError:
             raise EPInputError("layout", "'auto', 'standard' or 'expanded'", layout) from None
-        capacity = config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
+        capacity = (
+            config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
+        )
         if not isinstance(capacity, int) or capacity < 1:
             raise EPInputError("max_tokens_per_rank", "a positive int", capacity)
         self.config = config
@@ -253,7 +259,9 @@ class EPMoE(torch.nn.Module):
         if bad:
             self._bad_id_count.zero_()
             raise EPInputError(
-                "topk_ids", f"values in [0, {self.config.num_experts}) or -1", f"{bad} out-of-range ids (replaced by -1)"
+                "topk_ids",
+                f"values in [0, {self.config.num_experts}) or -1",
+                f"{bad} out-of-range ids (replaced by -1)",
             )
         self.dispatcher.check()
 
@@ -271,6 +279,7 @@ class EPMoE(torch.nn.Module):
         c = self.config
         return (
             f"E={c.num_experts}, top_k={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
-            f"rank={self.comm.rank}/{self.comm.world_size}, {self.choice.describe().splitlines()[0]}, "
+            f"rank={self.comm.rank}/{self.comm.world_size}, "
+            f"{self.choice.describe().splitlines()[0]}, "
             f"mode={self.mode.value}, cap={self.max_tokens_per_rank}"
         )

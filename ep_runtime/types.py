@@ -13,7 +13,7 @@ class TopkLayout(str, enum.Enum):
     """How received rows are laid out for the experts.
 
     STANDARD: one row per (token, this rank), ``topk_ids`` is ``[R, K]``.
-    EXPANDED: one row per (token, local expert), grouped by local expert, ``topk_ids`` is ``[R, 1]``.
+    EXPANDED: one row per (token, local expert), grouped by expert, ``topk_ids`` is ``[R, 1]``.
     """
 
     STANDARD = "standard"
@@ -21,7 +21,7 @@ class TopkLayout(str, enum.Enum):
 
 
 class DispatchMode(str, enum.Enum):
-    """EXACT: counts exchanged, one host sync, exact sizes. CAPACITY: static shapes, no host sync."""
+    """EXACT: counts exchanged, one host sync, exact sizes. CAPACITY: static shapes, no sync."""
 
     EXACT = "exact"
     CAPACITY = "capacity"

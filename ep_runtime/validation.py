@@ -50,9 +50,13 @@ def check_forward_inputs(
             "topk_weights", f"shape {list(topk_ids.shape)} (as topk_ids)", list(topk_weights.shape)
         )
     if topk_weights.dtype not in WEIGHT_DTYPES:
-        raise EPInputError("topk_weights", "dtype torch.float32 or torch.bfloat16", topk_weights.dtype)
+        raise EPInputError(
+            "topk_weights", "dtype torch.float32 or torch.bfloat16", topk_weights.dtype
+        )
     if capacity is not None and num_tokens > capacity:
-        raise EPInputError("x", f"at most max_tokens_per_rank={capacity} rows in capacity mode", num_tokens)
+        raise EPInputError(
+            "x", f"at most max_tokens_per_rank={capacity} rows in capacity mode", num_tokens
+        )
     if check_values and num_tokens > 0:
         check_topk_id_values(topk_ids, config.num_experts)
 
@@ -64,7 +68,9 @@ def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
     if bool(bad.any()):
         row, col = (int(v) for v in bad.nonzero()[0])
         raise EPInputError(
-            "topk_ids", f"values in [0, {num_experts}) or -1", f"{int(ids[row, col])} at [{row}, {col}]"
+            "topk_ids",
+            f"values in [0, {num_experts}) or -1",
+            f"{int(ids[row, col])} at [{row}, {col}]",
         )
     ordered = ids.sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)

@@ -99,7 +99,11 @@ class ForwardStatus(enum.IntEnum):
     def of(error: BaseException | None) -> ForwardStatus:
         if error is None:
             return ForwardStatus.OK
-        return ForwardStatus.INPUT_ERROR if isinstance(error, ValueError) else ForwardStatus.INTERNAL_ERROR
+        return (
+            ForwardStatus.INPUT_ERROR
+            if isinstance(error, ValueError)
+            else ForwardStatus.INTERNAL_ERROR
+        )
 
 
 def raise_if_any_failed(comm: Comm, statuses: list[int], own_error: BaseException | None) -> None:
@@ -198,7 +202,7 @@ class Dispatcher(abc.ABC):
     def abort(self, error: BaseException, layout: TopkLayout) -> NoReturn:
         """Take part in this forward's collectives carrying ``error``, so peers fail, then raise."""
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027  (optional hook: most backends record nothing)
         """Raise errors recorded on the device without a host sync (capacity mode)."""
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ class Experts(abc.ABC):
 
     @classmethod
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
-        """Why this backend cannot run for ``setup`` (package, cubins, shapes), beyond capabilities."""
+        """Why it cannot run for ``setup`` (package, cubins, shapes), beyond capabilities."""
         return None
 
     @classmethod
@@ -76,7 +76,8 @@ class Experts(abc.ABC):
             return f"supports dtypes {sorted(map(str, caps.dtypes))}, not {setup.dtype}"
         activation = Activation(setup.config.activation)
         if activation not in caps.activations:
-            return f"supports activations {sorted(a.value for a in caps.activations)}, not {activation.value}"
+            supported = sorted(a.value for a in caps.activations)
+            return f"supports activations {supported}, not {activation.value}"
         if layout is not None and layout not in caps.layouts:
             return f"supports layouts {sorted(x.value for x in caps.layouts)}, not {layout.value}"
         return cls.unavailable_reason(setup)

@@ -134,9 +134,17 @@ def run_layer_case(spec: CaseSpec, faults: tuple[str, ...] = ()) -> CaseResult:
         out = layer(layer_x.to(dev), layer_ids.to(dev), layer_weights.to(dev))
         if "zero_output" in faults:
             out = torch.zeros_like(out)
-        comparison = compare_per_token(out, ref, tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate)))
-        return CaseResult(rank, comparison, layer.choice.dispatcher, layer.choice.experts,
-                          layer.layout.value, out.cpu())
+        comparison = compare_per_token(
+            out, ref, tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate))
+        )
+        return CaseResult(
+            rank,
+            comparison,
+            layer.choice.dispatcher,
+            layer.choice.experts,
+            layer.layout.value,
+            out.cpu(),
+        )
     finally:
         layer.close()
 

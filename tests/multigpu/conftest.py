@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.multigpu.pool import PoolBroken, RankPool
@@ -24,7 +26,5 @@ def pool_factory():
 
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
-        try:
+        with contextlib.suppress(PoolBroken):
             pool.close()
-        except PoolBroken:
-            pass

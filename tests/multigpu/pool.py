@@ -53,10 +53,20 @@ def _rank_main(rank: int, world_size: int, backend: str, port: int, inbox, outbo
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                          timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size + 1,
+        is_master=False,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
     outbox.put(("ready", rank, None))
     while True:
         task = inbox.get()
@@ -76,15 +86,22 @@ class RankPool:
         self.world_size = world_size
         self.backend = pick_backend(world_size)
         context = mp.get_context("spawn")
-        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False
+        )
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world_size)]
         self._processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world_size, self.backend, self._store.port, self._inboxes[rank],
-                      self._outbox),
+                args=(
+                    rank,
+                    world_size,
+                    self.backend,
+                    self._store.port,
+                    self._inboxes[rank],
+                    self._outbox,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -113,8 +130,9 @@ class RankPool:
                 results[rank] = payload
         return [results[rank] for rank in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; per-rank result or ``RankFailure``."""
         if self.broken:
             raise PoolBroken("pool was shut down")
