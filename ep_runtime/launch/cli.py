@@ -137,6 +137,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # logs, ray job output: room for the tables
+        console = Console(width=max(console.width, 120))
     launcher = choose_launcher(args.launcher)
     try:
         world_size = args.dp

@@ -347,7 +347,9 @@ class RankWorker:
         ):
             return
         if failure.kind == "raise":
-            raise RuntimeError(f"injected failure on rank {self.rank}")
+            raise RuntimeError(
+                f"injected failure on rank {self.rank} at unix time {time.time():.3f}"
+            )
         if failure.kind == "exit":
             os._exit(1)
         if failure.kind == "kill":

@@ -9,11 +9,13 @@ its own reasons, then ranks that only report a broken collective.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ep_runtime.launch.spec import RankFailure
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 GRACE_S = 2.0  # how long to keep collecting failures after the first one
 COMMUNICATION_MARKERS = (
     "RemoteRankError",
@@ -59,7 +61,7 @@ def root_failure(
 ) -> RankFailure:
     """The error to report: the most causal failure, listing the others and any silent ranks."""
     root = min(failures, key=lambda f: (f.kind, f.order))
-    lines = [root.detail.rstrip()]
+    lines = [ANSI_ESCAPE.sub("", root.detail).rstrip()]
     others = [f for f in failures if f is not root]
     if others:
         lines.append(
