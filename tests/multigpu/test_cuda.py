@@ -1,0 +1,42 @@
+"""CUDA-only properties of capacity mode: no host sync, CUDA-graph capture equal to eager.
+
+Skipped with the reason where there is no CUDA device (CPU CI). On a 1-GPU machine these run at
+world size 1 over NCCL; with more GPUs, at 2 as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multigpu import cases
+from tests.multigpu.cases import CaseSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+WORLD_SIZES = [w for w in (1, 2) if torch.cuda.is_available() and torch.cuda.device_count() >= w]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_capacity_forward_has_no_host_sync(pool_factory, world_size, layout, activation) -> None:
+    spec = CaseSpec(
+        experts="grouped_mm",
+        layout=layout,
+        activation=activation,
+        mode="capacity",
+        hidden=128,
+        intermediate=64,
+    )
+    for comparison in pool_factory(world_size).run_ok(cases.capacity_forward_without_sync, spec):
+        assert comparison.passed, comparison.describe()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout) -> None:
+    spec = CaseSpec(
+        experts="grouped_mm", layout=layout, mode="capacity", hidden=128, intermediate=64, cap=32
+    )
+    replays = pool_factory(world_size).run_ok(cases.cuda_graph_replay_matches_eager, spec)
+    assert replays == [2] * world_size
