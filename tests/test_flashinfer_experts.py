@@ -162,9 +162,13 @@ def test_bitwise_comparison_catches_a_missing_reorder_or_swap():
     assert shuffle_only.shape == ours.gemm1.shape
     assert not torch.equal(bits(shuffle_only), bits(ours.gemm1))
     unswapped = fused_moe_prepare.prepare_trtllm_bf16_weights(
-        w13, w2, num_local_experts=num_local, hidden_size=hidden,
-        intermediate_size=intermediate, permute_cache={},
-    )  # fmt: skip
+        w13,
+        w2,
+        num_local_experts=num_local,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        permute_cache={},
+    )
     assert not torch.equal(bits(unswapped["gemm1_weights"]), bits(ours.gemm1))
 
 
@@ -350,8 +354,9 @@ class EmulatedCutlassKernel(RecordingCutlassKernel):
         offset = 0 if self.ignore_rank else kw["ep_rank"] * fc1.size(0)
         ids, weights = kw["token_selected_experts"], kw["token_final_scales"]
         fc2 = kw["fc2_expert_weights"]
-        return emulated_moe(kw["input"], ids, weights, fc1, fc2, offset, self.activation,
-                            kw["output"])  # fmt: skip
+        return emulated_moe(
+            kw["input"], ids, weights, fc1, fc2, offset, self.activation, kw["output"]
+        )
 
 
 class EmulatedTrtllmKernel(RecordingTrtllmKernel):
@@ -369,8 +374,16 @@ class EmulatedTrtllmKernel(RecordingTrtllmKernel):
         w13[:, gemm1_row_order(w13.size(1), self.activation.is_gated)] = w13.clone()
         w2 = unblock(gemm2)
         w2[:, flashinfer_trtllm.shuffle_row_order(w2.size(1))] = w2.clone()
-        return emulated_moe(kw["hidden_states"], ids, weights, w13, w2,
-                            kw["local_expert_offset"], self.activation, kw["output"])  # fmt: skip
+        return emulated_moe(
+            kw["hidden_states"],
+            ids,
+            weights,
+            w13,
+            w2,
+            kw["local_expert_offset"],
+            self.activation,
+            kw["output"],
+        )
 
 
 def unblock(weights: torch.Tensor) -> torch.Tensor:
@@ -413,6 +426,15 @@ def test_self_check_passes_correct_kernels(monkeypatch, activation):
         load_real_weights(backend_cls, activation)  # second load: the check does not rerun
     assert len(trtllm.calls) == len(cutlass.calls) == len(TopkLayout)
     assert setup.device == CPU
+
+
+@pytest.mark.parametrize("shape", [{}, dict(num_experts=16, world_size=4, rank=3, top_k=4)])
+@pytest.mark.parametrize("activation", list(Activation))
+@pytest.mark.parametrize("name", ["reference", "grouped_mm"])
+def test_check_problem_passes_the_torch_backends(name, activation, shape):
+    """The check problem and its oracle agree with backends that run here (both layouts)."""
+    setup = check_setup(activation, CPU, **shape)
+    assert self_check.check_backend(EXPERTS[name], setup) is None
 
 
 def test_self_check_refuses_a_kernel_that_ignores_the_rank_offset(monkeypatch):
