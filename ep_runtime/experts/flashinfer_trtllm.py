@@ -185,8 +185,9 @@ def trtllm_cubins_missing_reason() -> str | None:
     root = jit_env.FLASHINFER_CUBIN_DIR / ArtifactPath.TRTLLM_GEN_BMM
     manifest = root / "checksums.txt"
     hint = (
-        f"fetch them once where the network allows (`python -m flashinfer download-cubin`) and "
-        f"set FLASHINFER_CUBIN_DIR to the directory holding {ArtifactPath.TRTLLM_GEN_BMM}"
+        f"fetch them once where the network allows (`python -m flashinfer download-cubin`), "
+        f"then set FLASHINFER_CUBIN_DIR (before flashinfer is imported) to a directory holding "
+        f"{ArtifactPath.TRTLLM_GEN_BMM}checksums.txt and the files it lists"
     )
     if not manifest.is_file():
         return f"TRTLLM-gen cubins are not on disk ({manifest} is missing); {hint}"
