@@ -1,0 +1,456 @@
+"""The DeepEP V2 adapter (ep_runtime/dispatch/deepep_v2.py) on CPU, against an IMITATION.
+
+``ImitationElasticBuffer`` (tests/deepep_imitation.py) imitates DeepEP V2's documented
+dispatch/combine semantics; it is not DeepEP. These tests show the adapter turns those semantics
+into a correct layer; the real library runs the same rank-side bodies in
+tests/multigpu/test_deepep_real.py, which skips (with the reason) where deep_ep V2 is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from ep_runtime import EPMoE, MoEConfig
+from ep_runtime.comm import Comm
+from ep_runtime.dispatch import deepep_v2
+from ep_runtime.dispatch.base import DispatchSetup
+from ep_runtime.dispatch.deepep_v2 import DeepEPV2Dispatcher, RankGin, must_disable_gin
+from ep_runtime.dispatch.nccl_probe import (
+    GinQuery,
+    NcclLibrary,
+    _CommProperties,
+    _decode_version,
+    probe_library,
+)
+from ep_runtime.types import ClosedError, DispatchMode, EPInputError, TopkLayout
+from tests.deepep_imitation import (
+    INVALID_LOCAL_ID,
+    ImitationBackedDeepEP,
+    imitation_library,
+    register_imitation,
+)
+from tests.multigpu import cases, deepep_cases
+from tests.multigpu.cases import CaseSpec
+from tests.multigpu.conftest import get_pool
+
+IMITATION = ImitationBackedDeepEP.name
+LAYOUTS = ("standard", "expanded")
+MODES = ("exact", "capacity")
+
+
+@pytest.fixture
+def imitation_pool():
+    """A pool of gloo ranks with the imitation-backed dispatcher registered in each."""
+
+    def get(world_size: int):
+        pool = get_pool(world_size)
+        if pool.backend != "gloo":
+            pytest.skip(
+                f"the imitation runs on CPU (gloo) ranks, this pool is {pool.backend}; "
+                "the real library is tested in tests/multigpu/test_deepep_real.py"
+            )
+        pool.run_ok(register_imitation)
+        return pool
+
+    return get
+
+
+def run_cases(pool, spec: CaseSpec):
+    results = pool.run_ok(cases.run_layer_case, spec)
+    assert {r.dispatcher for r in results} == {IMITATION}, "another dispatcher ran"
+    bad = [f"rank {r.rank}: {r.comparison.describe()}" for r in results if not r.comparison.passed]
+    assert not bad, "\n".join(bad)
+    return results
+
+
+# ------------------------------------------------------------------ the layer, multi-rank
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts, activation):
+    spec = CaseSpec(
+        dispatcher=IMITATION, experts=experts, layout=layout, mode=mode, activation=activation
+    )
+    run_cases(imitation_pool(world_size), spec)
+
+
+EDGES = {
+    "no_tokens_on_rank0": dict(tokens=(0, 9)),
+    "no_tokens_anywhere": dict(tokens=(0, 0)),
+    "one_token": dict(tokens=(1, 1)),
+    "all_to_one_expert": dict(routing="one_expert"),
+    "all_slots_unused": dict(routing="all_unused"),
+    "k_below_config_top_k": dict(top_k=4, k=2),
+    "experts_equal_world": dict(num_experts=2, top_k=2),
+    "full_cap_not_power_of_two": dict(cap=6, tokens=(6, 5)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("edge", list(EDGES))
+def test_edge_cases(imitation_pool, edge, layout, mode):
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    run_cases(imitation_pool(2), cases.with_spec(spec, **EDGES[edge]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
+    """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, cap=4, tokens=(11, 2))
+    run_cases(imitation_pool(2), spec)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
+    assert sum(imitation_pool(world_size).run_ok(cases.check_round_trip, spec)) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
+    pool = imitation_pool(world_size)
+    assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    pool = imitation_pool(2)
+    clean = run_cases(pool, spec)
+    poisoned = run_cases(pool, cases.with_spec(spec, poison=True))
+    for c, p in zip(clean, poisoned, strict=True):
+        assert torch.isfinite(p.output).all()
+        assert torch.equal(c.output, p.output), f"rank {c.rank}: poison changed the output"
+
+
+@pytest.mark.parametrize(
+    ("fault", "mode"),
+    [
+        ("id_out_of_range", "exact"),
+        ("id_out_of_range", "capacity"),
+        ("wrong_hidden", "exact"),
+        ("too_many_tokens", "capacity"),
+    ],
+)
+def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", mode=mode, tokens=(5, 5))
+    pool = imitation_pool(2)
+    results = pool.run_ok(cases.timed_bad_input, spec, 1, fault, timeout_s=60)
+    argument = {"id_out_of_range": "topk_ids", "wrong_hidden": "x", "too_many_tokens": "x"}[fault]
+    assert results[1][0] == "EPInputError" and results[1][1].startswith(f"{argument}:"), results
+    assert results[0][0] == "RemoteRankError" and "rank 1 failed" in results[0][1], results
+    assert all(seconds < 30 for _, _, seconds in results)
+    run_cases(pool, spec)  # the group is still healthy
+
+
+# ------------------------------------------------------------------ the adapter, one process
+def _config(**changes) -> MoEConfig:
+    fields = dict(
+        num_experts=8,
+        top_k=3,
+        hidden_size=32,
+        intermediate_size=16,
+        dtype=torch.bfloat16,
+        max_tokens_per_rank=6,
+    )
+    return MoEConfig(**{**fields, **changes})
+
+
+def _setup(mode: DispatchMode, cap: int = 6, world_size: int = 1) -> DispatchSetup:
+    return DispatchSetup(
+        comm=Comm(None, 0, world_size, torch.device("cpu")),
+        num_experts=8,
+        hidden_size=32,
+        max_top_k=3,
+        max_tokens_per_rank=cap,
+        dtype=torch.bfloat16,
+        mode=mode,
+    )
+
+
+def _inputs(num_tokens: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, 32, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:3] for _ in range(num_tokens)])
+    ids[0, 1] = -1
+    weights = 0.25 + torch.rand(num_tokens, 3, generator=generator)
+    return x, ids, weights
+
+
+@pytest.mark.parametrize("mode", list(DispatchMode))
+def test_buffer_is_built_as_the_design_says(mode):
+    dispatcher = ImitationBackedDeepEP(_setup(mode, cap=6))
+    try:
+        kwargs = dispatcher.buffer.constructor_kwargs
+        assert kwargs["allow_hybrid_mode"] is False
+        assert kwargs["allow_multiple_reduction"] is False
+        assert kwargs["explicitly_destroy"] is True
+        assert kwargs["num_cpu_timeout_secs"] >= 1800 and kwargs["num_gpu_timeout_secs"] >= 1800
+        assert (kwargs["hidden"], kwargs["num_topk"]) == (32, 3)
+        # capacity: one JIT variant per power of two; exact: the cap itself
+        assert kwargs["num_max_tokens_per_rank"] == (6 if mode is DispatchMode.EXACT else 8)
+        assert kwargs["deterministic"] is (mode is DispatchMode.EXACT)
+        assert dispatcher.num_sms == deepep_v2.DEFAULT_NUM_SMS > 0
+    finally:
+        dispatcher.close()
+
+
+def test_capacity_checks_the_users_cap_not_the_buffers():
+    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.CAPACITY, cap=6))
+    try:
+        x, ids, weights = _inputs(7)  # fits the 8-row buffer, not the user's cap of 6
+        with pytest.raises(EPInputError, match="max_tokens_per_rank=6"):
+            dispatcher.dispatch(x, ids, weights, TopkLayout.STANDARD)
+    finally:
+        dispatcher.close()
+
+
+def test_close_destroys_the_buffer_and_use_after_close_fails():
+    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.EXACT))
+    buffer = dispatcher.buffer
+    dispatcher.close()
+    assert buffer.destroyed and dispatcher.buffer is None
+    with pytest.raises(ClosedError):
+        dispatcher.dispatch(*_inputs(2), TopkLayout.STANDARD)
+
+
+@pytest.mark.parametrize("layout", list(TopkLayout))
+@pytest.mark.parametrize("mode", list(DispatchMode))
+def test_rank_without_tokens_gets_an_empty_result(layout, mode):
+    """DeepEP is handed one row routed nowhere; the caller still gets ``[0, H]`` back."""
+    dispatcher = ImitationBackedDeepEP(_setup(mode))
+    try:
+        x, ids, weights = (t[:0] for t in _inputs(1))
+        dispatched = dispatcher.dispatch(x, ids, weights, layout)
+        assert not bool((dispatched.topk_ids >= 0).any())
+        out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
+        assert out.shape == (0, 32)
+    finally:
+        dispatcher.close()
+
+
+def test_standard_capacity_masks_uninitialised_rows_and_globalises_ids():
+    """The imitation leaves id 0 (a valid-looking local id) and NaN in rows past the valid
+    count; the adapter must turn them into padding and count only real slots."""
+    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.CAPACITY, cap=6))
+    try:
+        x, ids, weights = _inputs(5)
+        dispatched = dispatcher.dispatch(x, ids, weights, TopkLayout.STANDARD)
+        assert dispatched.hidden_states.size(0) == 8  # W · pow2(cap) rows
+        assert int(dispatched.num_valid_rows) == 5
+        assert (dispatched.topk_ids[5:] == -1).all()
+        assert torch.isnan(dispatched.hidden_states[5:].float()).all()
+        assert dispatched.topk_ids.dtype == torch.int32
+        sent = torch.sort(ids.flatten()).values
+        got = torch.sort(dispatched.topk_ids[:5].flatten().to(torch.int64)).values
+        assert torch.equal(got, sent), "global ids (rank 0 of 1: local == global)"
+        counts = torch.bincount(ids[ids >= 0], minlength=8)
+        assert torch.equal(dispatched.expert_num_tokens.to(torch.int64), counts)
+        assert dispatched.expert_num_tokens_cpu is None
+    finally:
+        dispatcher.close()
+
+
+def test_local_ids_become_global_on_rank_one_of_two():
+    """Rank 1 of 2: local id 2 is global 6. Hand the adapter a DeepEP-shaped answer."""
+    dispatcher = ImitationBackedDeepEP.__new__(ImitationBackedDeepEP)
+    dispatcher.setup = DispatchSetup(
+        comm=Comm(None, 1, 2, torch.device("cpu")),
+        num_experts=8,
+        hidden_size=32,
+        max_top_k=3,
+        max_tokens_per_rank=4,
+        dtype=torch.bfloat16,
+        mode=DispatchMode.CAPACITY,
+    )
+    dispatcher.placement = dispatcher.setup.placement
+    dispatcher.num_local, dispatcher.local_offset = 4, 4
+    handle = types.SimpleNamespace(
+        psum_num_recv_tokens_per_scaleup_rank=torch.tensor([1, 2], dtype=torch.int32)
+    )
+    local = torch.tensor([[2, -1, 0], [-1, 3, -1], [INVALID_LOCAL_ID] * 3])
+    weights = torch.tensor([[0.5, float("nan"), 0.25], [float("nan"), 1.0, 2.0], [9.0] * 3])
+    out = dispatcher._standard(torch.zeros(3, 32, dtype=torch.bfloat16), local, weights, handle)
+    assert out.topk_ids.tolist() == [[6, -1, 4], [-1, 7, -1], [-1, -1, -1]]
+    assert out.expert_num_tokens.tolist() == [1, 0, 1, 1]
+    assert out.topk_weights[0, 0] == 0.5 and out.topk_weights[1, 1] == 1.0
+
+
+def test_expanded_groups_are_aligned_and_padding_marked():
+    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.EXACT, cap=6))
+    try:
+        x, ids, weights = _inputs(6, seed=3)
+        dispatched = dispatcher.dispatch(x, ids, weights, TopkLayout.EXPANDED)
+        offsets = dispatched.expert_offsets.tolist()
+        assert all(start % 4 == 0 for start in offsets[:-1]), offsets  # expert_alignment = 4
+        counts = torch.bincount(ids[ids >= 0], minlength=8).tolist()
+        assert dispatched.expert_num_tokens.tolist() == counts
+        assert dispatched.expert_num_tokens_cpu == counts
+        assert dispatched.topk_ids.shape == (dispatched.hidden_states.size(0), 1)
+        for expert in range(8):
+            group = dispatched.topk_ids[offsets[expert] : offsets[expert + 1], 0]
+            assert group[: counts[expert]].eq(expert).all() and group[counts[expert] :].eq(-1).all()
+        padding = dispatched.topk_ids[:, 0] < 0
+        assert torch.isnan(dispatched.hidden_states[padding].float()).all()  # NaN gaps stay
+        assert offsets[-1] == offsets[-2] + counts[-1]  # the valid bound: psum[-1]
+    finally:
+        dispatcher.close()
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("layout", list(TopkLayout))
+@pytest.mark.parametrize("mode", list(DispatchMode))
+def test_ids_reach_deepep_in_its_topk_idx_t(id_dtype, layout, mode):
+    """A deep_ep built with 32-bit ids gets int32 (the imitation asserts the width it was
+    built with); the round trip with small integers and dyadic weights is exact."""
+
+    class Narrow(ImitationBackedDeepEP):
+        @classmethod
+        def load_library(cls):
+            return imitation_library(id_dtype)
+
+    dispatcher = Narrow(_setup(mode))
+    try:
+        x, ids, _ = _inputs(5)
+        x = torch.randint(-15, 16, x.shape).to(torch.bfloat16)
+        weights = torch.randint(1, 5, ids.shape).float() / 8
+        dispatched = dispatcher.dispatch(x, ids, weights, layout)
+        out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
+        total = torch.where(ids >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
+        assert torch.equal(out, (total * x.float()).to(torch.bfloat16))
+    finally:
+        dispatcher.close()
+
+
+# ------------------------------------------------------------------ refusals and GIN
+def test_auto_on_cpu_picks_torch_and_says_why_not_deepep():
+    layer = EPMoE(_config(), dispatcher="auto", experts="reference")
+    try:
+        assert layer.choice.dispatcher == "torch_a2a"
+        assert "cuda" in layer.choice.refused["dispatcher:deepep_v2"]
+    finally:
+        layer.close()
+
+
+@pytest.fixture
+def fresh_problems():
+    deepep_v2.deep_ep_problems.cache_clear()
+    yield
+    deepep_v2.deep_ep_problems.cache_clear()
+
+
+def _cuda_setup(world_size: int) -> DispatchSetup:
+    return DispatchSetup(
+        comm=Comm(None, 0, world_size, torch.device("cuda", 0)),
+        num_experts=8,
+        hidden_size=32,
+        max_top_k=3,
+        max_tokens_per_rank=4,
+        dtype=torch.bfloat16,
+        mode=DispatchMode.EXACT,
+    )
+
+
+def test_refusal_on_the_h200_test_machine(monkeypatch, fresh_problems):
+    """NCCL 2.28.9 and no deep_ep (DEVICE.md): both reasons, in one line."""
+    old = NcclLibrary(True, ("/site/nvidia/nccl/lib/libnccl.so.2",), (2, 28, 9), False)
+    monkeypatch.setattr(deepep_v2, "probe_library", lambda: old)
+    monkeypatch.setattr(deepep_v2, "mapped_libnccl_paths", lambda: old.paths)
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ModuleNotFoundError
+    reason = DeepEPV2Dispatcher.unavailable_reason(_cuda_setup(1))
+    assert "deep_ep is not installed" in reason
+    assert "NCCL 2.28.9" in reason and "needs NCCL >= 2.30.4" in reason
+    assert "ncclCommQueryProperties" in reason and "\n" not in reason
+
+
+def test_refusal_for_v1_deep_ep_two_libncc_and_one_gpu(monkeypatch, fresh_problems):
+    new = NcclLibrary(True, ("/a/libnccl.so.2",), (2, 30, 7), True)
+    monkeypatch.setattr(deepep_v2, "probe_library", lambda: new)
+    monkeypatch.setattr(
+        deepep_v2, "mapped_libnccl_paths", lambda: ("/a/libnccl.so.2", "/b/libnccl.so.2")
+    )
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(__version__="1.0.0"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    reason = DeepEPV2Dispatcher.unavailable_reason(_cuda_setup(2))
+    assert "deep_ep 1.0.0 has no ElasticBuffer" in reason
+    assert "different libnccl files: /a/libnccl.so.2, /b/libnccl.so.2" in reason
+    assert "needs >= 2 GPUs, this host has 1" in reason
+    assert "NCCL process group" in reason
+    assert "2.30.7" not in reason  # a new-enough NCCL is not a reason
+
+
+def _rank(host: str, gin_type: int | None, env: str | None = None) -> RankGin:
+    return RankGin(host, GinQuery(gin_type, gin_type), env)
+
+
+def test_gin_decision():
+    assert must_disable_gin([_rank("a", 3), _rank("a", 3)]) is False  # GDAKI everywhere
+    assert must_disable_gin([_rank("a", 3), _rank("b", 2)]) is False  # GIN across nodes
+    assert must_disable_gin([_rank("a", 0), _rank("a", 0)]) is True  # one NVLink node
+    assert must_disable_gin([_rank("a", None)]) is True  # unknown on one node
+    assert must_disable_gin([_rank("a", 3, "1"), _rank("a", 3, "1")]) is True
+    with pytest.raises(RuntimeError, match=r"across 2 hosts needs NCCL GIN.*rank 1 \(b\)"):
+        must_disable_gin([_rank("a", 3), _rank("b", 0)])
+    with pytest.raises(RuntimeError, match="differs across ranks"):
+        must_disable_gin([_rank("a", 0, "1"), _rank("a", 0)])
+    with pytest.raises(RuntimeError, match="spans 2 hosts"):
+        must_disable_gin([_rank("a", 0, "1"), _rank("b", 0, "1")])
+
+
+def test_nccl_probe_on_this_machine():
+    library = probe_library()
+    if torch.cuda.is_available():
+        assert library.version is not None, library.describe()
+    else:
+        assert library.describe().startswith("no CUDA device")
+        assert not library.meets_deepep_minimum
+
+
+def test_probe_struct_matches_the_c_layout():
+    """ncclCommProperties (nccl.h, 2.31.2) laid out with C alignment: size_t, 2 uint, 4 int,
+    2 bool, int ginType at 36, nLsaTeams 40, bool 44, railedGinType 48, uint64 commHash 56."""
+    assert _CommProperties.ginType.offset == 36
+    assert _CommProperties.railedGinType.offset == 48
+    assert _CommProperties.commHash.offset == 56
+    assert _decode_version(22809) == (2, 28, 9) and _decode_version(23004) == (2, 30, 4)
+
+
+def test_imitation_is_adversarial_where_deepep_is_unspecified():
+    """Guard the guard: the imitation must keep the traps the adapter is tested against."""
+    buffer = imitation_library().buffer_class(
+        None,
+        num_max_tokens_per_rank=8,
+        hidden=32,
+        num_topk=3,
+        allow_multiple_reduction=False,
+        explicitly_destroy=True,
+    )
+    x, ids, weights = _inputs(5)
+    recv_x, recv_ids, recv_w, handle, _ = buffer.dispatch(
+        x, ids, weights, num_experts=8, num_sms=24, do_cpu_sync=False
+    )
+    assert recv_x.size(0) == 8 and int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == 5
+    assert torch.isnan(recv_x[5:].float()).all() and (recv_ids[5:] == INVALID_LOCAL_ID).all()
+    assert torch.isnan(recv_w[:5][recv_ids[:5] < 0]).all()  # weights on -1 slots: unspecified
+    recv_x, recv_ids, recv_w, handle, _ = buffer.dispatch(
+        x, ids, weights, num_experts=8, num_sms=24, do_expand=True, expert_alignment=4
+    )
+    assert recv_ids is None and recv_w.dim() == 1
+    assert torch.isnan(recv_x.float()).any(), "alignment gaps must hold NaN"
+    with pytest.raises(AssertionError):
+        buffer.dispatch(x[:0], ids[:0], weights[:0], num_experts=8, num_sms=24)
+    with pytest.raises(AssertionError):
+        buffer.dispatch(x, ids.to(torch.int32), weights, num_experts=8, num_sms=24)
