@@ -20,7 +20,14 @@ from rich.console import Console
 from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import RunProgress
-from ep_runtime.launch.spec import FAILURE_KINDS, FailureInjection, RankFailure, RunSpec
+from ep_runtime.launch.spec import (
+    FAILURE_KINDS,
+    FailureInjection,
+    LaunchError,
+    RankFailure,
+    RunSpec,
+)
+from ep_runtime.launch.supervision import stop_handlers
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 LAUNCHERS = ("auto", "ray", "spawn", "torchrun")
@@ -134,6 +141,24 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     )
 
 
+def _launch(
+    launcher: str, spec: RunSpec, address: str | None, progress_factory
+) -> tuple[RunSpec, list[dict], bool]:
+    """Run on the chosen launcher: (resolved spec, summaries by rank, whether to report here)."""
+    if launcher == "ray":
+        from ep_runtime.launch.ray_driver import run_with_ray
+
+        return (*run_with_ray(spec, address, progress_factory), True)
+    if launcher == "spawn":
+        from ep_runtime.launch.spawn import run_with_spawn
+
+        return (*run_with_spawn(spec, progress_factory), True)
+    from ep_runtime.launch.torchrun import run_with_env
+
+    spec, summaries, rank = run_with_env(spec, progress_factory)
+    return spec, summaries, rank == 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -152,25 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     progress_factory = partial(RunProgress, console)
     started = time.perf_counter()
-    is_reporter = True
     try:
-        if launcher == "ray":
-            from ep_runtime.launch.ray_driver import LaunchError, run_with_ray
-
-            try:
-                spec, summaries = run_with_ray(spec, args.address, progress_factory)
-            except LaunchError as error:
-                console.print(f"[red]cannot start:[/] {error}")
-                return EXIT_USAGE
-        elif launcher == "spawn":
-            from ep_runtime.launch.spawn import run_with_spawn
-
-            spec, summaries = run_with_spawn(spec, progress_factory)
-        else:
-            from ep_runtime.launch.torchrun import run_with_env
-
-            spec, summaries, rank = run_with_env(spec, progress_factory)
-            is_reporter = rank == 0
+        with stop_handlers():
+            spec, summaries, is_reporter = _launch(launcher, spec, args.address, progress_factory)
+    except LaunchError as error:
+        console.print(f"[red]cannot start:[/] {error}")
+        return EXIT_USAGE
     except RankFailure as failure:
         console.print("[bold red]run ended[/]")
         console.print(str(failure), markup=False, highlight=False)

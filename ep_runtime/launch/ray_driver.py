@@ -27,12 +27,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ep_runtime.launch.progress import RunProgress
 from ep_runtime.launch.rank import RankWorker, Step, plan
-from ep_runtime.launch.spec import RankFailure, RunSpec
+from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec
 from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
     FailureKind,
     classify_exception_text,
+    install_stop_handlers,
+    raise_if_stop_requested,
     root_failure,
 )
 
@@ -41,10 +43,6 @@ PROPAGATED_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
 RANK_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # as Ray Train: fail, don't hang
 PLACEMENT_TIMEOUT_S = 60.0
 POLL_S = 0.25  # ray.wait slice: keeps Ctrl-C responsive
-
-
-class LaunchError(RuntimeError):
-    """The run could not start (no cluster, not enough resources); no rank failed."""
 
 
 def propagated_env() -> dict[str, str]:
@@ -138,6 +136,7 @@ class RaySession:
             self.owns_cluster = True
         else:
             ray.init(address=address, logging_level="WARNING")
+        install_stop_handlers()  # ray.init replaced the SIGTERM handler
 
     def close(self) -> None:
         if self.owns_cluster:
@@ -187,6 +186,7 @@ def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
     deadline = time.monotonic() + timeout_s
     grace_end = None
     while pending:
+        raise_if_stop_requested()
         now = time.monotonic()
         if grace_end is not None and now >= grace_end:
             break

@@ -20,12 +20,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
-from ep_runtime.launch.spec import RunSpec
+from ep_runtime.launch.spec import LaunchError, RunSpec
 from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
     FailureKind,
     classify_exception_text,
+    raise_if_stop_requested,
     root_failure,
 )
 
@@ -35,7 +36,7 @@ POLL_S = 0.1
 def resolve_device(requested: str, world_size: int) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "cuda" and gpus < world_size:
-        raise RuntimeError(f"--device cuda: {gpus} GPUs visible, --dp {world_size} needs one each")
+        raise LaunchError(f"--device cuda: {gpus} GPUs visible, --dp {world_size} needs one each")
     if requested == "auto":
         return "cuda" if gpus >= world_size else "cpu"
     return requested
@@ -86,6 +87,7 @@ def _supervise(processes, events, progress) -> list[dict]:
     failed_order: list[int] = []  # ranks in the order their failure was noticed
     grace_end = None
     while len(summaries) < len(processes):
+        raise_if_stop_requested()
         _drain(events, progress, summaries, errors)
         for rank, process in enumerate(processes):
             failed = rank in errors or process.exitcode not in (None, 0)

@@ -74,3 +74,7 @@ class RankFailure(RuntimeError):
         self.detail = detail
         who = "a rank" if rank is None else f"rank {rank}"
         super().__init__(f"{who} ({where}) failed:\n{detail}")
+
+
+class LaunchError(RuntimeError):
+    """The run could not start (no cluster, not enough GPUs or CPUs); no rank failed."""

@@ -8,9 +8,12 @@ its own reasons, then ranks that only report a broken collective.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ep_runtime.launch.spec import RankFailure
@@ -75,3 +78,39 @@ def root_failure(
         lines.append(f"still running when the run was ended (hung?): ranks {sorted(still_running)}")
     kind = "died" if root.kind is FailureKind.DIED else "raised"
     return RankFailure(root.rank, f"{kind} during {where}", "\n".join(lines))
+
+
+_STOP = threading.Event()
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    if _STOP.is_set():  # a second Ctrl-C: interrupt at once
+        raise KeyboardInterrupt
+    _STOP.set()
+
+
+def install_stop_handlers() -> None:
+    """Ctrl-C and SIGTERM only set a flag; ``raise_if_stop_requested`` turns it into
+    ``KeyboardInterrupt`` between polls, so no signal lands inside a Ray call (an interrupted
+    ``ray.wait`` followed by ``ray.shutdown`` segfaulted at exit here). Ray's ``init`` installs
+    its own SIGTERM handler, so launchers call this again after it."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _request_stop)
+
+
+def raise_if_stop_requested() -> None:
+    if _STOP.is_set():
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_handlers() -> Iterator[None]:
+    """Install the handlers for the duration of a run (main thread only), then restore."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _STOP.clear()
+    install_stop_handlers()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

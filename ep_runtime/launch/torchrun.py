@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
-from ep_runtime.launch.spec import RunSpec
+from ep_runtime.launch.spec import LaunchError, RunSpec
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def env_rank(environ: dict[str, str] | None = None) -> EnvRank:
     ):
         if rank_key in env and world_key in env:
             return EnvRank(int(env[rank_key]), int(env[world_key]), int(env.get(local_key, 0)))
-    raise RuntimeError(
+    raise LaunchError(
         "--launcher torchrun: set RANK and WORLD_SIZE (torchrun does) or run under srun "
         "(SLURM_PROCID, SLURM_NTASKS)"
     )
@@ -53,7 +53,7 @@ def run_with_env(spec: RunSpec, progress_factory) -> tuple[RunSpec, list[dict], 
         )
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
-            raise RuntimeError(f"--launcher torchrun: {key} must be set (env:// rendezvous)")
+            raise LaunchError(f"--launcher torchrun: {key} must be set (env:// rendezvous)")
     if spec.device == "auto":
         spec = dataclasses.replace(spec, device="cuda" if torch.cuda.is_available() else "cpu")
     worker = RankWorker(spec, place.rank, place.local_rank)
