@@ -12,6 +12,13 @@ import time
 import pytest
 import torch
 
+# flashinfer must be installed where these run (CI installs it; docs/flashinfer.md): a missing
+# install is an error here, not a skip.
+from flashinfer.fused_moe import prepare as fused_moe_prepare
+from flashinfer.fused_moe.api import ReLU2, SwiGLU
+from flashinfer.fused_moe.core import convert_to_block_layout
+from flashinfer.utils import get_shuffle_matrix_a_row_indices
+
 from ep_runtime.experts import EXPERTS, flashinfer_cutlass, flashinfer_trtllm, self_check
 from ep_runtime.experts.flashinfer_common import pad_intermediate
 from ep_runtime.experts.flashinfer_cutlass import FlashInferCutlassExperts
@@ -19,11 +26,6 @@ from ep_runtime.experts.flashinfer_trtllm import FlashInferTrtllmExperts, gemm1_
 from ep_runtime.experts.self_check import check_setup, make_check_problem
 from ep_runtime.reference import expert_ffn, reference_moe
 from ep_runtime.types import Activation, BackendUnavailableError, Dispatched, TopkLayout
-
-fused_moe_prepare = pytest.importorskip("flashinfer.fused_moe.prepare")
-from flashinfer.fused_moe.api import ReLU2, SwiGLU  # noqa: E402
-from flashinfer.fused_moe.core import convert_to_block_layout  # noqa: E402
-from flashinfer.utils import get_shuffle_matrix_a_row_indices  # noqa: E402
 
 CPU = torch.device("cpu")
 SWIGLU, RELU2, BLOCK_MAJOR_K = 3, 6, 2  # FlashInfer's documented enum values
