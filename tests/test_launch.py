@@ -1,0 +1,283 @@
+"""The launcher without Ray: workload determinism and sharding, sampled validation against the
+full oracle, hand-counted metrics, failure attribution, CLI arguments, and whole runs through the
+spawn launcher and torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ep_runtime import reference_moe
+from ep_runtime.bench.metrics import (
+    Traffic,
+    destination_rows,
+    expert_flops_per_pair,
+    expert_token_counts,
+    imbalance,
+)
+from ep_runtime.bench.timing import max_over_ranks_stats
+from ep_runtime.launch import workload
+from ep_runtime.launch.cli import EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
+from ep_runtime.launch.presets import PRESETS, preset_by_name
+from ep_runtime.launch.spec import FailureInjection, LaunchError
+from ep_runtime.launch.supervision import Failure, FailureKind, root_failure
+from ep_runtime.launch.torchrun import env_rank
+
+CPU = torch.device("cpu")
+TINY = PRESETS["tiny"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+# workload ---------------------------------------------------------------------------------------
+def test_expert_weights_depend_on_seed_and_expert_only():
+    w13, w2 = workload.expert_weights(TINY, 3, 7, CPU, torch.float32)
+    again13, again2 = workload.expert_weights(TINY, 3, 7, CPU, torch.float32)
+    assert torch.equal(w13, again13) and torch.equal(w2, again2)
+    assert w13.shape == (2 * TINY.intermediate_size, TINY.hidden_size)
+    assert w2.shape == (TINY.hidden_size, TINY.intermediate_size)
+    assert not torch.equal(w13, workload.expert_weights(TINY, 4, 7, CPU, torch.float32)[0])
+    assert not torch.equal(w13, workload.expert_weights(TINY, 3, 8, CPU, torch.float32)[0])
+
+
+def test_rank_shard_equals_slice_of_global_weights():
+    world, rank = 4, 2
+    num_local = TINY.num_experts // world
+    full13, full2 = workload.stacked_expert_weights(
+        TINY, list(range(TINY.num_experts)), 0, CPU, torch.bfloat16
+    )
+    local = list(range(rank * num_local, (rank + 1) * num_local))
+    shard13, shard2 = workload.stacked_expert_weights(TINY, local, 0, CPU, torch.bfloat16)
+    assert torch.equal(shard13, full13[local[0] : local[-1] + 1])
+    assert torch.equal(shard2, full2[local[0] : local[-1] + 1])
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "nemotron-3-nano"])
+def test_sampled_reference_equals_full_reference(model_name):
+    """Chunked regeneration (3 experts at a time) gives the oracle's answer on the sample."""
+    model = preset_by_name(model_name).with_overrides(hidden_size=32, intermediate_size=16)
+    x = workload.rank_hidden_states(model, 1, 24, 5, CPU, torch.float32)
+    ids, weights = workload.rank_routing(model, 1, 24, 5, CPU)
+    full13, full2 = workload.stacked_expert_weights(
+        model, list(range(model.num_experts)), 5, CPU, torch.float32
+    )
+    expected = reference_moe(x, ids, weights, full13, full2, activation=model.activation)
+    got, touched = workload.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
+    assert touched == sorted(set(ids.flatten().tolist()))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    wrong_seed, _ = workload.sampled_reference(model, x, ids, weights, 6, experts_per_chunk=3)
+    assert not torch.allclose(wrong_seed, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypatch):
+    """DeepSeek-V3 routing (256 experts): never more than one chunk of experts resident."""
+    model = PRESETS["deepseek-v3"].with_overrides(hidden_size=16, intermediate_size=8)
+    x = workload.rank_hidden_states(model, 0, 16, 0, CPU, torch.bfloat16)
+    ids, weights = workload.rank_routing(model, 0, 16, 0, CPU)
+    built: list[list[int]] = []
+    original = workload.stacked_expert_weights
+
+    def recording(model_, experts, *args):
+        built.append(list(experts))
+        return original(model_, experts, *args)
+
+    monkeypatch.setattr(workload, "stacked_expert_weights", recording)
+    _, touched = workload.sampled_reference(model, x, ids, weights, 0)
+    assert max(len(chunk) for chunk in built) <= workload.EXPERTS_PER_VALIDATION_CHUNK
+    assert sorted(e for chunk in built for e in chunk) == touched
+    assert len(touched) < model.num_experts
+
+
+def test_deepseek_v3_rank_shard_is_an_eighth_at_ep8():
+    model = PRESETS["deepseek-v3"]
+    per_expert = (2 * 2048 + 2048) * 7168 * 2  # w13 [4096, 7168] + w2 [7168, 2048], bf16
+    assert workload.shard_weight_bytes(model, 8, torch.bfloat16) == 32 * per_expert
+    assert workload.shard_weight_bytes(model, 1, torch.bfloat16) == 256 * per_expert  # 22.5 GB
+
+
+def test_validation_sample_is_deterministic_and_sorted():
+    sample = workload.validation_sample(100, 10, 3, 1)
+    assert torch.equal(sample, workload.validation_sample(100, 10, 3, 1))
+    assert sample.tolist() == sorted(set(sample.tolist())) and len(sample) == 10
+    assert workload.validation_sample(5, 0, 3, 1).tolist() == [0, 1, 2, 3, 4]
+
+
+# routers of the presets -------------------------------------------------------------------------
+def _route(name: str, tokens: int = 64):
+    model = PRESETS[name]
+    ids, weights = workload.rank_routing(model, 0, tokens, 0, CPU)
+    assert ids.shape == (tokens, model.top_k) and ids.dtype == torch.int32
+    assert all(len(set(row)) == model.top_k for row in ids.tolist())  # distinct per token
+    return model, ids, weights
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_softmax_renormalised_presets_sum_to_one(name):
+    _, _, weights = _route(name)
+    torch.testing.assert_close(weights.sum(1), torch.ones(weights.size(0)))
+
+
+def test_deepseek_v2_lite_does_not_renormalise():
+    _, _, weights = _route("deepseek-v2-lite")
+    sums = weights.sum(1)
+    assert bool((sums < 0.99).all()) and bool((sums > 0).all())
+
+
+def test_deepseek_v3_uses_at_most_four_groups_and_scales_by_2_5():
+    model, ids, weights = _route("deepseek-v3")
+    per_group = model.num_experts // 8
+    assert max(len({e // per_group for e in row}) for row in ids.tolist()) <= 4
+    torch.testing.assert_close(weights.sum(1), torch.full((ids.size(0),), 2.5))
+
+
+def test_nemotron_is_relu2_sigmoid_scaled():
+    model, ids, weights = _route("nemotron-3-nano")
+    assert model.activation == "relu2"
+    torch.testing.assert_close(weights.sum(1), torch.full((ids.size(0),), 2.5))
+
+
+def test_preset_lookup_is_forgiving_and_strict():
+    assert preset_by_name("DeepSeek-V3") is PRESETS["deepseek-v3"]
+    assert preset_by_name("qwen3_30b_a3b") is PRESETS["qwen3-30b-a3b"]
+    with pytest.raises(ValueError, match="--model"):
+        preset_by_name("llama")
+
+
+# metrics ------------------------------------------------------------------------------------------
+def test_traffic_and_counts_by_hand():
+    ids = torch.tensor([[0, 1], [0, 5], [6, 7], [-1, 3], [-1, -1]])  # E=8, W=2: L=4
+    assert destination_rows(ids, 8, 2) == [3, 2]  # rank 0: rows 0,1,3; rank 1: rows 1,2
+    assert expert_token_counts(ids, 8) == [2, 1, 0, 1, 0, 1, 1, 1]
+    traffic = Traffic(rows=[[3, 2], [1, 4]], row_bytes=10)
+    assert traffic.received_rows(0) == 4 and traffic.received_rows(1) == 6
+    assert traffic.dispatch_received_bytes(1) == 60 == traffic.combine_bytes(1)
+    assert imbalance([1, 3]) == 1.5 and imbalance([0, 0]) == 1.0
+    assert expert_flops_per_pair(4, 2, gated=True) == 2 * 4 * 4 + 2 * 2 * 4
+    assert expert_flops_per_pair(4, 2, gated=False) == 2 * 4 * 2 + 2 * 2 * 4
+
+
+def test_phase_time_is_max_over_ranks_per_iteration():
+    stats = max_over_ranks_stats([[1.0, 5.0, 3.0], [2.0, 1.0, 4.0]])  # per iteration: 2, 5, 4
+    assert (stats.median_s, stats.min_s, stats.max_s, stats.iterations) == (4.0, 2.0, 5.0, 3)
+
+
+# failure attribution ----------------------------------------------------------------------------
+def test_root_failure_blames_the_dead_rank_over_its_peers_echo():
+    failures = [
+        Failure(0, FailureKind.COMMUNICATION, "gloo: Connection reset by peer", 0),
+        Failure(1, FailureKind.DIED, "rank 1 died", 1),
+    ]
+    error = root_failure(failures, "step x", still_running=[2])
+    assert error.rank == 1 and "died" in error.where
+    assert "rank 0 (communication)" in str(error) and "ranks [2]" in str(error)
+
+
+def test_root_failure_prefers_an_own_exception_and_strips_colour():
+    failures = [
+        Failure(0, FailureKind.COMMUNICATION, "RemoteRankError: rank 2 failed", 0),
+        Failure(2, FailureKind.RAISED, "\x1b[36mray::RankActor\x1b[39m ValueError: bad", 1),
+    ]
+    error = root_failure(failures, "step x")
+    assert error.rank == 2 and "\x1b" not in str(error) and "ValueError: bad" in str(error)
+
+
+def test_failure_injection_parsing():
+    assert FailureInjection.parse("1:raise") == FailureInjection(1, "raise", 0)
+    assert FailureInjection.parse("0:kill:3") == FailureInjection(0, "kill", 3)
+    with pytest.raises(ValueError, match="inject-failure"):
+        FailureInjection.parse("1:explode")
+
+
+def test_env_rank_reads_torchrun_then_slurm():
+    assert env_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}).rank == 3
+    slurm = env_rank({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank) == (5, 16, 5)
+    with pytest.raises(LaunchError, match="RANK and WORLD_SIZE"):
+        env_rank({})
+
+
+# CLI --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dp", "3"], "not divisible by 3"),
+        (["--model", "llama"], "--model"),
+        (["--dp", "2", "--top-k", "17"], "--top-k"),
+        (["--dp", "2", "--inject-failure", "5:raise"], "inject-failure"),
+    ],
+)
+def test_bad_arguments_exit_2_before_launching(argv, message, capsys):
+    assert main(["--launcher", "spawn", *argv]) == EXIT_USAGE
+    assert message in capsys.readouterr().out
+
+
+def _run_spawn(tmp_path: Path, *extra: str) -> tuple[int, dict, float]:
+    report = tmp_path / "report.json"
+    started = time.monotonic()
+    code = main(
+        ["--launcher", "spawn", "--iters", "2", "--warmup", "1", "--json", str(report), *extra]
+    )
+    return code, json.loads(report.read_text()), time.monotonic() - started
+
+
+def test_spawn_run_validates_every_rank_and_reports_hand_countable_facts(tmp_path, capsys):
+    plot = tmp_path / "plot.png"
+    code, report, _ = _run_spawn(tmp_path, "--dp", "4", "--layout", "both", "--plot", str(plot))
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "Ranks" in out and "PASSED" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["passed"] and report["world_size"] == 4 and report["launcher"] == "spawn"
+    assert [case["layout"] for case in report["cases"]] == ["standard", "expanded"]
+    for key in ("dispatcher", "experts", "layout", "max_abs_err", "phases", "per_rank"):
+        assert key in report
+    assert set(report["phases"]) == {"dispatch", "experts", "combine", "layer"}
+    assert report["max_rel_err"] <= report["tolerance"]
+    # counts and traffic recomputed here from the same seed
+    model, world = TINY, 4
+    routes = [workload.rank_routing(model, r, model.tokens_per_rank, 0, CPU)[0] for r in range(4)]
+    counts = [sum(c) for c in zip(*(expert_token_counts(i, 16) for i in routes), strict=True)]
+    assert report["load"]["global_expert_counts"] == counts
+    traffic = [destination_rows(i, 16, world) for i in routes]
+    for rank, entry in enumerate(report["per_rank"]):
+        assert entry["rank"] == rank and entry["passed"]
+        assert entry["received_rows"] == sum(row[rank] for row in traffic)
+        assert entry["local_expert_counts"] == counts[rank * 4 : rank * 4 + 4]
+        assert entry["expert_weight_bytes"] == workload.shard_weight_bytes(model, 4, torch.float32)
+        assert all(v["deterministic"] and v["validated_tokens"] == 64 for v in entry["validation"])
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_spawn_failure_ends_run_naming_the_rank(tmp_path, capsys, kind):
+    code, report, elapsed = _run_spawn(tmp_path, "--dp", "2", "--inject-failure", f"1:{kind}:1")
+    out = capsys.readouterr().out
+    assert code == EXIT_RANK_FAILED, out
+    assert elapsed < 60  # start-up included; the collective timeout (60 s) was not waited for
+    assert report["failed_rank"] == 1 and not report["passed"]
+    assert re.search(r"rank 1 \((raised|died)", out)
+    if kind == "raise":
+        failed_at = float(re.search(r"at unix time ([0-9.]+)", out).group(1))
+        assert time.time() - failed_at < 10
+
+
+def test_torchrun_runs_the_same_rank_code(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ep_runtime.launch"]
+    command += ["--iters", "2", "--warmup", "1", "--json", str(report)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    assert data["passed"] and data["launcher"] == "torchrun" and data["world_size"] == 2
+    assert result.stdout.count("Ranks") == 1  # only rank 0 reports
