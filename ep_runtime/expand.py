@@ -24,6 +24,14 @@ class Expansion:
     num_rows: int
 
 
+def count_per_expert(local_index: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """``[L]`` int64 count of (row, slot) pairs per local expert; index ``L`` = not served."""
+    flat = local_index.reshape(-1)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts[:num_local_experts]
+
+
 def plan_expansion(local_index: torch.Tensor, num_local_experts: int, num_rows: int) -> Expansion:
     """``local_index [R, K]`` holds the local expert in ``[0, L)`` per slot, ``L`` = not served.
 
@@ -33,9 +41,7 @@ def plan_expansion(local_index: torch.Tensor, num_local_experts: int, num_rows: 
     num_src_rows, top_k = local_index.shape
     device = local_index.device
     flat = local_index.reshape(-1)
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    counts = counts[:num_local_experts]
+    counts = count_per_expert(local_index, num_local_experts)
     order = torch.sort(flat, stable=True).indices  # served pairs first, grouped by expert
     kept = order[:num_rows]
     if kept.numel() < num_rows:  # only when num_rows > R·K: pad with pair 0 (masked invalid)

@@ -143,7 +143,14 @@ class EPMoE(torch.nn.Module):
             mode=self.mode,
             poison=poison,
         )
-        experts_setup = ExpertsSetup(config, self.placement, self.comm.device, self.dtype)
+        experts_setup = ExpertsSetup(
+            config,
+            self.placement,
+            self.comm.device,
+            self.dtype,
+            max_tokens_per_rank=capacity,
+            requested_by_name=experts != "auto",
+        )
         dispatcher_cls, experts_cls, self.choice = choose_backends(
             dispatcher, experts, requested_layout, dispatch_setup, experts_setup
         )

@@ -19,7 +19,14 @@ import torch
 from ep_runtime.comm import Comm
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.registry import Registry
-from ep_runtime.types import ClosedError, Dispatched, DispatchMode, RemoteRankError, TopkLayout
+from ep_runtime.types import (
+    ClosedError,
+    Dispatched,
+    DispatchMode,
+    EPInputError,
+    RemoteRankError,
+    TopkLayout,
+)
 
 R = TypeVar("R")
 
@@ -123,6 +130,51 @@ def raise_if_any_failed(comm: Comm, statuses: list[int], own_error: BaseExceptio
     raise RemoteRankError(failed, str(reason))
 
 
+STATUS, NUM_CHUNKS, TOP_K = 0, 1, 2  # header columns of every dispatcher's first collective
+
+
+class PeerStatus:
+    """Each rank's ``(status, num_local_chunks, K)`` header as seen by this rank.
+
+    Where host reads are free (exact mode, CPU) the headers are checked at once; capacity mode on
+    CUDA records them on the device without a sync, and ``check()`` raises later.
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._recorded = torch.zeros(comm.world_size, dtype=torch.int32, device=comm.device)
+
+    def raise_on_host(
+        self, headers: list[list[int]], top_k: int, own_error: BaseException | None = None
+    ) -> int:
+        """Raise for a failed rank or a K that differs; returns the forward's chunk count."""
+        raise_if_any_failed(self.comm, [h[STATUS] for h in headers], own_error)
+        ks = [h[TOP_K] for h in headers]
+        if set(ks) != {top_k}:
+            raise EPInputError(
+                "topk_ids", "the same K on every rank in one forward", f"K per rank {ks}"
+            )
+        return max(h[NUM_CHUNKS] for h in headers)
+
+    def record_on_device(self, headers: torch.Tensor, top_k: int) -> None:
+        """``headers [W, >= 3]`` on the device: keep the worst status per rank (a K that
+        differs counts as an input error), no host sync."""
+        status = torch.where(
+            headers[:, TOP_K] != top_k,
+            torch.full_like(headers[:, STATUS], int(ForwardStatus.INPUT_ERROR)),
+            headers[:, STATUS],
+        )
+        torch.maximum(self._recorded, status.to(torch.int32), out=self._recorded)
+
+    def check(self) -> None:
+        statuses = self._recorded.tolist()
+        if any(statuses):
+            self._recorded.zero_()
+            failed = next(rank for rank, status in enumerate(statuses) if status)
+            reason = f"{ForwardStatus(statuses[failed]).name} during a capacity-mode forward"
+            raise RemoteRankError(failed, reason)
+
+
 class Dispatcher(abc.ABC):
     """Moves rows to expert owners (``dispatch``) and sums expert outputs back (``combine``).
 
@@ -135,8 +187,15 @@ class Dispatcher(abc.ABC):
 
     def __init__(self, setup: DispatchSetup) -> None:
         self.setup = setup
+        self.comm = setup.comm
         self.placement = setup.placement
+        self.peer_status = PeerStatus(setup.comm)
         self._closed = False
+
+    @property
+    def host_reads_free(self) -> bool:
+        """Reading device values costs nothing on CPU; on CUDA, capacity mode never syncs."""
+        return self.setup.mode is DispatchMode.EXACT or self.comm.device.type == "cpu"
 
     @classmethod
     def unavailable_reason(cls, setup: DispatchSetup) -> str | None:
@@ -202,8 +261,10 @@ class Dispatcher(abc.ABC):
     def abort(self, error: BaseException, layout: TopkLayout) -> NoReturn:
         """Take part in this forward's collectives carrying ``error``, so peers fail, then raise."""
 
-    def check(self) -> None:  # noqa: B027  (optional hook: most backends record nothing)
+    def check(self) -> None:
         """Raise errors recorded on the device without a host sync (capacity mode)."""
+        self._check_open()
+        self.peer_status.check()
 
     def close(self) -> None:
         self._closed = True

@@ -41,7 +41,6 @@ from ep_runtime.dispatch.base import (
     DispatchSetup,
     ForwardStatus,
     Pending,
-    raise_if_any_failed,
 )
 from ep_runtime.dispatch.nccl_probe import (
     GinQuery,
@@ -49,12 +48,12 @@ from ep_runtime.dispatch.nccl_probe import (
     probe_library,
     query_gin,
 )
+from ep_runtime.expand import count_per_expert
 from ep_runtime.experts.base import local_expert_index
 from ep_runtime.types import (
     Dispatched,
     DispatchMode,
     EPInputError,
-    RemoteRankError,
     TopkLayout,
 )
 
@@ -231,7 +230,6 @@ class DeepEPV2Dispatcher(Dispatcher):
 
     def __init__(self, setup: DispatchSetup) -> None:
         super().__init__(setup)
-        self.comm = setup.comm
         self.library = self.load_library()
         self.num_local = self.placement.num_local_experts
         self.local_offset = self.placement.local_expert_offset
@@ -239,10 +237,6 @@ class DeepEPV2Dispatcher(Dispatcher):
         cap = setup.max_tokens_per_rank
         self.buffer_tokens = cap if exact else next_power_of_two(cap)
         self.num_sms = default_num_sms(setup.device)
-        # capacity mode on CUDA: highest status seen from each peer, read by check()
-        self._peer_status = torch.zeros(
-            self.comm.world_size, dtype=torch.int32, device=self.comm.device
-        )
         if self.comm.group is not None:  # torch creates communicators lazily: warm the group
             dist.all_reduce(torch.zeros(1, device=self.comm.device), group=self.comm.group)
         self.gin = prepare_gin(self.comm)
@@ -262,11 +256,6 @@ class DeepEPV2Dispatcher(Dispatcher):
         )
         atexit.register(self._destroy_buffer)
 
-    @property
-    def _host_reads_free(self) -> bool:
-        """Reading device values costs nothing on CPU; on CUDA, capacity mode never syncs."""
-        return self.setup.mode is DispatchMode.EXACT or self.comm.device.type == "cpu"
-
     # ----------------------------------------------------------------- status header
     def _exchange_header(
         self, status: ForwardStatus, num_local_chunks: int, top_k: int
@@ -285,23 +274,10 @@ class DeepEPV2Dispatcher(Dispatcher):
     def _check_header(self, received: torch.Tensor, top_k: int) -> int:
         """Raise for any failed rank or a K that differs; returns the forward's chunk count.
         Capacity mode on CUDA records the statuses on the device instead (returns 1)."""
-        if not self._host_reads_free:
-            status = torch.where(
-                received[:, 2] != top_k,
-                torch.full_like(received[:, 0], int(ForwardStatus.INPUT_ERROR)),
-                received[:, 0],
-            )
-            torch.maximum(self._peer_status, status.to(torch.int32), out=self._peer_status)
+        if not self.host_reads_free:
+            self.peer_status.record_on_device(received, top_k)
             return 1
-        headers = received.tolist()
-        raise_if_any_failed(self.comm, [h[0] for h in headers], None)
-        if {h[2] for h in headers} != {top_k}:
-            raise EPInputError(
-                "topk_ids",
-                "the same K on every rank in one forward",
-                f"K per rank {[h[2] for h in headers]}",
-            )
-        return max(h[1] for h in headers)
+        return self.peer_status.raise_on_host(received.tolist(), top_k)
 
     # ----------------------------------------------------------------- DeepEP calls
     def _dispatch_buffer(
@@ -354,9 +330,8 @@ class DeepEPV2Dispatcher(Dispatcher):
         handle: Any,
     ) -> Dispatched:
         num_rows = hidden.size(0)
-        valid_rows = handle.psum_num_recv_tokens_per_scaleup_rank[
-            -1
-        ]  # 0-d: rows past it are garbage
+        # 0-d: rows past it are uninitialised
+        valid_rows = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
         row_valid = torch.arange(num_rows, device=hidden.device) < valid_rows  # [R]
         local = local_ids.to(torch.int64)
         served = (local >= 0) & row_valid.unsqueeze(1)  # [R, K]
@@ -365,11 +340,9 @@ class DeepEPV2Dispatcher(Dispatcher):
         weights = torch.where(served, weights.float(), torch.full_like(weights, self._filler()))
         if self.setup.poison:
             hidden = torch.where(row_valid.unsqueeze(1), hidden, torch.full_like(hidden, torch.nan))
-        slots = local_expert_index(global_ids, self.placement).reshape(-1)
-        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=hidden.device)
-        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        counts = count_per_expert(local_expert_index(global_ids, self.placement), self.num_local)
         return self._dispatched(
-            hidden, global_ids, weights, TopkLayout.STANDARD, None, counts[:-1], valid_rows
+            hidden, global_ids, weights, TopkLayout.STANDARD, None, counts, valid_rows
         )
 
     def _expanded(
@@ -473,8 +446,8 @@ class DeepEPV2Dispatcher(Dispatcher):
         """
         self._check_open()
         received = self._exchange_header(ForwardStatus.of(error), 1, self.setup.max_top_k)
-        if self._host_reads_free:
-            raise_if_any_failed(self.comm, received[:, 0].tolist(), error)
+        if self.host_reads_free:
+            self.peer_status.raise_on_host(received.tolist(), self.setup.max_top_k, error)
         device, top_k = self.comm.device, self.setup.max_top_k
         dispatched = self._dispatch_buffer(
             torch.zeros(0, self.setup.hidden_size, dtype=self.setup.dtype, device=device),
@@ -484,16 +457,6 @@ class DeepEPV2Dispatcher(Dispatcher):
         )
         self.combine(torch.zeros_like(dispatched.hidden_states), dispatched)
         raise error
-
-    def check(self) -> None:
-        self._check_open()
-        statuses = self._peer_status.tolist()
-        if any(statuses):
-            self._peer_status.zero_()
-            failed = next(rank for rank, status in enumerate(statuses) if status)
-            raise RemoteRankError(
-                failed, f"{ForwardStatus(statuses[failed]).name} during a capacity-mode forward"
-            )
 
     def _destroy_buffer(self) -> None:
         buffer, self.buffer = self.buffer, None

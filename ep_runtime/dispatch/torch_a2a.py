@@ -25,14 +25,11 @@ from ep_runtime.dispatch.base import (
     DispatchSetup,
     ForwardStatus,
     Pending,
-    raise_if_any_failed,
 )
-from ep_runtime.expand import plan_expansion, sum_rows_fp32
+from ep_runtime.expand import count_per_expert, plan_expansion, sum_rows_fp32
 from ep_runtime.types import (
     Dispatched,
     DispatchMode,
-    EPInputError,
-    RemoteRankError,
     TopkLayout,
 )
 
@@ -129,19 +126,9 @@ class TorchAllToAll(Dispatcher):
 
     def __init__(self, setup: DispatchSetup) -> None:
         super().__init__(setup)
-        self.comm = setup.comm
         self.codec = RowCodec(setup.hidden_size, setup.dtype, setup.max_top_k)
         self.num_local = self.placement.num_local_experts
         self.local_offset = self.placement.local_expert_offset
-        # capacity mode on CUDA: highest status seen from each peer, read by check()
-        self._peer_status = torch.zeros(
-            self.comm.world_size, dtype=torch.int32, device=self.comm.device
-        )
-
-    @property
-    def _host_reads_free(self) -> bool:
-        """Reading device values costs nothing on CPU; on CUDA, capacity mode never syncs."""
-        return self.setup.mode is DispatchMode.EXACT or self.comm.device.type == "cpu"
 
     # ----------------------------------------------------------------- routing (sender side)
     def _route(self, topk_ids: torch.Tensor) -> _Route:
@@ -191,10 +178,7 @@ class TorchAllToAll(Dispatcher):
             hidden = torch.where(row_valid.unsqueeze(1), hidden, torch.full_like(hidden, filler))
         local_index = torch.where(served, local, torch.full_like(local, self.num_local))
         if layout is TopkLayout.STANDARD:
-            counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(
-                0, local_index.reshape(-1), torch.ones_like(local_index.reshape(-1))
-            )
+            counts = count_per_expert(local_index, self.num_local)
             num_valid = hidden.size(0) if row_valid is None else self._valid_row_bound(row_valid)
             dispatched = Dispatched(
                 hidden_states=hidden,
@@ -202,7 +186,7 @@ class TorchAllToAll(Dispatcher):
                 topk_weights=weights,
                 layout=layout,
                 expert_offsets=None,
-                expert_num_tokens=counts[: self.num_local].to(torch.int32),
+                expert_num_tokens=counts.to(torch.int32),
                 expert_num_tokens_cpu=expert_num_tokens_cpu,
                 num_valid_rows=num_valid,
                 handle=None,
@@ -295,25 +279,13 @@ class TorchAllToAll(Dispatcher):
             host[world + r * width : world + (r + 1) * width] for r in range(world)
         ]
 
-    def _check_headers(
-        self, headers: list[list[int]], top_k: int, own_error: BaseException | None
-    ) -> None:
-        raise_if_any_failed(self.comm, [h[0] for h in headers], own_error)
-        peers_k = sorted({h[2] for h in headers})
-        if peers_k != [top_k]:
-            raise EPInputError(
-                "topk_ids",
-                "the same K on every rank in one forward",
-                f"K per rank {[h[2] for h in headers]}",
-            )
-
     def _dispatch_exact(self, x, topk_ids, topk_weights, layout, num_local_chunks) -> Dispatched:
         route = self._route(topk_ids)
         header = self._exact_header(
             ForwardStatus.OK, num_local_chunks, route.top_k, route, topk_ids
         )
         send_counts, headers = self._exchange_exact_header(header)
-        self._check_headers(headers, route.top_k, None)
+        num_chunks = self.peer_status.raise_on_host(headers, route.top_k)
         recv_counts = [h[3] for h in headers]
         expert_counts = [sum(h[HEADER_FIELDS + e] for h in headers) for e in range(self.num_local)]
         total_send = sum(send_counts)
@@ -339,7 +311,7 @@ class TorchAllToAll(Dispatcher):
             ),
             expand_positions=positions,
         )
-        dispatched.num_chunks = max(h[1] for h in headers)
+        dispatched.num_chunks = num_chunks
         return dispatched
 
     @staticmethod
@@ -416,15 +388,10 @@ class TorchAllToAll(Dispatcher):
         rows, header = self._capacity_exchange(
             self._capacity_send(route, packed, ForwardStatus.OK, route.top_k)
         )
-        if self._host_reads_free:
-            self._check_headers(header.tolist(), route.top_k, None)
+        if self.host_reads_free:
+            self.peer_status.raise_on_host(header.tolist(), route.top_k)
         else:
-            status = torch.where(
-                header[:, 2] != route.top_k,
-                torch.full_like(header[:, 0], int(ForwardStatus.INPUT_ERROR)),
-                header[:, 0],
-            )
-            torch.maximum(self._peer_status, status, out=self._peer_status)
+            self.peer_status.record_on_device(header, route.top_k)
         recv_counts = header[:, 3].to(torch.int64)
         row_valid = (
             torch.arange(cap, device=x.device).unsqueeze(0) < recv_counts.unsqueeze(1)
@@ -483,24 +450,14 @@ class TorchAllToAll(Dispatcher):
         if self.setup.mode is DispatchMode.EXACT:
             header = self._exact_header(status, 1, self.setup.max_top_k, None, None)
             _, headers = self._exchange_exact_header(header)
-            raise_if_any_failed(self.comm, [h[0] for h in headers], error)
+            self.peer_status.raise_on_host(headers, self.setup.max_top_k, error)
         send = self._capacity_send(None, None, status, self.setup.max_top_k)
         _, header = self._capacity_exchange(send)
-        if self._host_reads_free:
-            raise_if_any_failed(self.comm, header[:, 0].tolist(), error)
+        if self.host_reads_free:
+            self.peer_status.raise_on_host(header.tolist(), self.setup.max_top_k, error)
         world, cap = self.comm.world_size, self.setup.max_tokens_per_rank
         zeros = torch.zeros(
             world * cap, self.setup.hidden_size, dtype=self.setup.dtype, device=self.comm.device
         )
         self.comm.all_to_all_single(torch.empty_like(zeros), zeros)
         raise error
-
-    def check(self) -> None:
-        self._check_open()
-        statuses = self._peer_status.tolist()
-        if any(statuses):
-            self._peer_status.zero_()
-            failed = next(r for r, s in enumerate(statuses) if s)
-            raise RemoteRankError(
-                failed, f"{ForwardStatus(statuses[failed]).name} during a capacity-mode forward"
-            )

@@ -36,6 +36,14 @@ class ExpertsSetup:
     placement: ExpertPlacement
     device: torch.device
     dtype: torch.dtype
+    max_tokens_per_rank: int | None = None  # the layer's cap; None = the config's
+    requested_by_name: bool = False  # named by the user, not picked by "auto"
+
+    @property
+    def token_cap(self) -> int:
+        if self.max_tokens_per_rank is None:
+            return self.config.max_tokens_per_rank
+        return self.max_tokens_per_rank
 
 
 def cuda_arch(device: torch.device) -> int | None:

@@ -13,7 +13,8 @@ largest row count seen (``workspace_bytes``), never per call.
 
 On first use FlashInfer JIT-compiles the module (``fused_moe_90`` on Hopper: about 250 CUTLASS
 units, over 18 minutes on 16 cores). "auto" does not pick this backend unless the module is
-already built; set ``EP_RUNTIME_FLASHINFER_CUTLASS_JIT=1`` to let it build on first use.
+already built; naming it (``experts="flashinfer_cutlass"``) lets it build on first use.
+``EP_RUNTIME_FLASHINFER_CUTLASS_JIT=1`` always allows the build, ``=0`` never does.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ class FlashInferCutlassExperts(Experts):
             self_check_failure(cls.name, setup.device, Activation(setup.config.activation))
             or flashinfer_missing_reason()
         )
-        if reason or os.environ.get(ALLOW_JIT_ENV) == "1":
+        jit_setting = os.environ.get(ALLOW_JIT_ENV)
+        allow_jit = jit_setting == "1" or (jit_setting != "0" and setup.requested_by_name)
+        if reason or allow_jit:
             return reason
         properties = torch.cuda.get_device_properties(setup.device)
         module = cutlass_module_name(cuda_arch(setup.device), properties.multi_processor_count)
@@ -149,7 +152,7 @@ class FlashInferCutlassExperts(Experts):
     def _workspace_for(self, rows: int) -> torch.Tensor:
         """The workspace, reallocated only when ``rows`` exceeds every earlier call's."""
         if self._workspace is None or rows > self._workspace_rows:
-            rows = max(rows, self.placement.world_size * self.config.max_tokens_per_rank)
+            rows = max(rows, self.placement.world_size * self.setup.token_cap)
             size = self.workspace_bytes(rows)
             self._workspace = torch.empty(size, dtype=torch.uint8, device=self.setup.device)
             self._workspace_rows = rows

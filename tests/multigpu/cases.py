@@ -28,8 +28,8 @@ class CaseSpec:
     num_experts: int = 8
     top_k: int = 3  # config maximum
     k: int | None = None  # K in force (columns of topk_ids); None = top_k
-    hidden: int = 64
-    intermediate: int = 32
+    hidden: int = 128  # TRTLLM needs H % 128 == 0
+    intermediate: int = 64
     tokens: tuple[int, ...] | None = None  # per rank; None = odd, uneven defaults
     cap: int = 16
     routing: str = "random"  # random | one_expert | all_unused

@@ -23,7 +23,7 @@ def expected_refusal(backend: str, device_type: str, dtype: torch.dtype) -> str 
     if backend.startswith("flashinfer") and importlib.util.find_spec("flashinfer") is None:
         return "flashinfer is not installed"
     if backend == "flashinfer_cutlass":
-        return "cutlass_fused_moe's JIT module may not be built on this machine"
+        return "cutlass_fused_moe's JIT module is not built on this machine (module is not built)"
     if backend == "deepep_v2":
         return "deep_ep V2 with NCCL >= 2.30.4 may be absent on this machine"
     if backend == "torch_symm_mem":
