@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ep_runtime import reference_moe
 from ep_runtime.bench.metrics import (
@@ -28,7 +29,8 @@ from ep_runtime.bench.timing import max_over_ranks_stats
 from ep_runtime.launch import workload
 from ep_runtime.launch.cli import EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
 from ep_runtime.launch.presets import PRESETS, preset_by_name
-from ep_runtime.launch.spec import FailureInjection, LaunchError
+from ep_runtime.launch.rank import RankWorker
+from ep_runtime.launch.spec import FailureInjection, LaunchError, RunSpec
 from ep_runtime.launch.supervision import Failure, FailureKind, root_failure
 from ep_runtime.launch.torchrun import env_rank
 
@@ -281,3 +283,32 @@ def test_torchrun_runs_the_same_rank_code(tmp_path):
     data = json.loads(report.read_text())
     assert data["passed"] and data["launcher"] == "torchrun" and data["world_size"] == 2
     assert result.stdout.count("Ranks") == 1  # only rank 0 reports
+
+
+def test_rank_validation_fails_a_layer_that_applies_weights_twice():
+    """Negative control: the launcher's check must catch a wrong output (here 2× the truth)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    spec = RunSpec(
+        model=TINY.with_overrides(tokens_per_rank=16),
+        world_size=1,
+        device="cpu",
+        dtype="fp32",
+        iters=1,
+        warmup=0,
+        baselines=False,
+    )
+    threads = torch.get_num_threads()
+    worker = RankWorker(spec, 0)
+    worker.init_process_group(store=dist.HashStore())
+    try:
+        worker.setup()
+        worker.build(0)
+        assert worker.validate()["passed"]
+        forward = worker.layer.experts.forward
+        worker.layer.experts.forward = lambda dispatched, out=None: forward(dispatched) * 2
+        result = worker.validate()
+        assert not result["passed"] and result["max_rel_err"] > 0.5
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
