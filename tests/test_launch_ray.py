@@ -205,6 +205,7 @@ def _stop_cluster(markers: list[str]) -> None:
     importlib.util.find_spec("aiohttp") is None, reason="ray job submit needs ray[default]"
 )
 def test_ray_job_submit_runs_the_launcher():
+    """``ray start --head``, then ``launch/submit.sh`` (``ray job submit``, runtime_env.yaml)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     temp_dir = tempfile.mkdtemp(prefix="epjob_", dir="/tmp")
     gcs, dashboard, client, agent = (_free_port() for _ in range(4))
@@ -221,14 +222,9 @@ def test_ray_job_submit_runs_the_launcher():
     try:
         started = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, started.stdout + started.stderr
-        runtime_env = {"excludes": ["/.git/", "/.venv*/", "/.whl/", "__pycache__/", "*.png"]}
-        submit = [
-            ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
-            "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env),
-            "--", "python", "-m", "ep_runtime.launch", "--dp", "2", "--address", "auto",
-            "--iters", "3",
-        ]  # fmt: skip
-        job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+        submit = [str(REPO / "launch" / "submit.sh"), "--dp", "2", "--iters", "3"]
+        job_env = env | {"RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+        job = subprocess.run(submit, env=job_env, capture_output=True, text=True, timeout=240)
         output = job.stdout + job.stderr
         assert job.returncode == 0, output
         assert "PASSED" in output and "W=2 (ray" in output and "succeeded" in output
