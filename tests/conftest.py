@@ -3,7 +3,47 @@
 from __future__ import annotations
 
 import os
+import re
+
+import pytest
+import torch
 
 # Never start FlashInfer's CUTLASS JIT build (over 18 minutes) from a test: an unbuilt module
 # is a refusal (skipped with its reason), even where a test names the backend.
 os.environ.setdefault("EP_RUNTIME_FLASHINFER_CUTLASS_JIT", "0")
+
+
+# Skips this machine may show, by reason. Any other skip fails the session: a broken probe that
+# refuses a backend which should run here turns CI red instead of quietly skipping.
+EXPECTED_SKIPS_WITHOUT_CUDA = [
+    r"needs CUDA; these ranks run on cpu",
+    r"no CUDA device",
+    r"needs a CUDA device",
+]
+EXPECTED_SKIPS_WITH_CUDA = [
+    *EXPECTED_SKIPS_WITHOUT_CUDA,  # world sizes beyond the GPU count fall back to gloo ranks
+    r"needs SM ?\[?\d+",
+    r"SM100/103",
+    r"deep_ep|DeepEP V2|NCCL",
+    r"flashinfer is not installed|module is not built|cubin",
+    r"symmetric memory",
+    r"bf16 only",
+]
+
+_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skips.append((report.nodeid, str(report.longrepr[2])))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    allowed = EXPECTED_SKIPS_WITH_CUDA if torch.cuda.is_available() else EXPECTED_SKIPS_WITHOUT_CUDA
+    unexpected = [
+        (node, why) for node, why in _skips if not any(re.search(p, why) for p in allowed)
+    ]
+    if unexpected:
+        lines = "\n".join(f"  {node}: {why}" for node, why in unexpected)
+        print(f"\nUnexpected skips on this machine (see tests/conftest.py):\n{lines}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
