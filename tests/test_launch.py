@@ -31,7 +31,13 @@ from ep_runtime.launch.cli import EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.rank import RankWorker
 from ep_runtime.launch.spec import FailureInjection, LaunchError, RunSpec
-from ep_runtime.launch.supervision import Failure, FailureKind, root_failure
+from ep_runtime.launch.supervision import (
+    GRACE_S,
+    Failure,
+    FailureKind,
+    root_failure,
+    window_closed,
+)
 from ep_runtime.launch.torchrun import env_rank
 
 CPU = torch.device("cpu")
@@ -189,6 +195,15 @@ def test_root_failure_prefers_an_own_exception_and_strips_colour():
     ]
     error = root_failure(failures, "step x")
     assert error.rank == 2 and "\x1b" not in str(error) and "ValueError: bad" in str(error)
+
+
+def test_failure_window_waits_only_while_just_echoes_are_known():
+    echo = Failure(0, FailureKind.COMMUNICATION, "Connection reset by peer", 0)
+    cause = Failure(1, FailureKind.RAISED, "ValueError", 1)
+    assert not window_closed([], 0.0, 100.0)
+    assert not window_closed([echo], 10.0, 10.5)  # wait for the cause
+    assert window_closed([echo], 10.0, 10.0 + GRACE_S)  # but not forever
+    assert window_closed([echo, cause], 10.0, 10.1)
 
 
 def test_failure_injection_parsing():

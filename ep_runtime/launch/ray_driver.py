@@ -29,13 +29,13 @@ from ep_runtime.launch.progress import RunProgress
 from ep_runtime.launch.rank import RankWorker, Step, plan
 from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec
 from ep_runtime.launch.supervision import (
-    GRACE_S,
     Failure,
     FailureKind,
     classify_exception_text,
     install_stop_handlers,
     raise_if_stop_requested,
     root_failure,
+    window_closed,
 )
 
 PROPAGATED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "EP_")
@@ -178,17 +178,17 @@ def reserve_bundles(device: str, world_size: int):
 
 
 def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
-    """Results of ``refs[rank]``; on the first failure, gather failures for ``GRACE_S`` and raise
-    the root cause (``RankFailure``). ``timeout_s`` bounds the whole step."""
+    """Results of ``refs[rank]``; on failure, collect failures until the cause is known (see
+    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step."""
     pending = {ref: rank for rank, ref in enumerate(refs)}
     results: list = [None] * len(refs)
     failures: list[Failure] = []
     deadline = time.monotonic() + timeout_s
-    grace_end = None
+    first_failure_at = 0.0
     while pending:
         raise_if_stop_requested()
         now = time.monotonic()
-        if grace_end is not None and now >= grace_end:
+        if window_closed(failures, first_failure_at, now):
             break
         if now >= deadline:
             raise RankFailure(
@@ -208,8 +208,8 @@ def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
             except RayTaskError as error:  # str() carries the remote traceback
                 text = str(error)
                 failures.append(Failure(rank, classify_exception_text(text), text, len(failures)))
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + GRACE_S
+            if len(failures) == 1 and not first_failure_at:
+                first_failure_at = time.monotonic()
     if failures:
         raise root_failure(failures, f"step {where}", still_running=list(pending.values()))
     return results

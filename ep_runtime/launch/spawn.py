@@ -28,6 +28,7 @@ from ep_runtime.launch.supervision import (
     classify_exception_text,
     raise_if_stop_requested,
     root_failure,
+    window_closed,
 )
 
 POLL_S = 0.1
@@ -85,7 +86,7 @@ def _supervise(processes, events, progress) -> list[dict]:
     summaries: dict[int, dict] = {}
     errors: dict[int, str] = {}
     failed_order: list[int] = []  # ranks in the order their failure was noticed
-    grace_end = None
+    first_failure_at = 0.0
     while len(summaries) < len(processes):
         raise_if_stop_requested()
         _drain(events, progress, summaries, errors)
@@ -93,9 +94,18 @@ def _supervise(processes, events, progress) -> list[dict]:
             failed = rank in errors or process.exitcode not in (None, 0)
             if failed and rank not in failed_order:
                 failed_order.append(rank)
-        if failed_order and grace_end is None:
-            grace_end = time.monotonic() + GRACE_S
-        if grace_end is not None and time.monotonic() >= grace_end:
+                first_failure_at = first_failure_at or time.monotonic()
+        # certain so far: an error message, or death by a signal (an exit code > 0 may be a
+        # rank whose message is still in the queue)
+        known = [
+            _failure(rank, processes[rank], errors.get(rank), order)
+            for order, rank in enumerate(failed_order)
+            if rank in errors or (processes[rank].exitcode or 0) < 0
+        ]
+        if failed_order and (
+            window_closed(known, first_failure_at, time.monotonic())
+            or time.monotonic() - first_failure_at >= GRACE_S
+        ):
             break
     if not failed_order:
         return [summaries[rank] for rank in range(len(processes))]

@@ -2,7 +2,7 @@
 
 When one rank dies, its peers blocked in a collective fail a few milliseconds later ("Connection
 reset by peer", a timeout, or ``RemoteRankError``). Launchers collect every failure seen within a
-short grace window and blame the most causal one: a rank that died, then a rank that raised for
+short window and blame the most causal one: a rank that died, then a rank that raised for
 its own reasons, then ranks that only report a broken collective.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ep_runtime.launch.spec import RankFailure
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
-GRACE_S = 2.0  # how long to keep collecting failures after the first one
+GRACE_S = 2.0  # after a peer's echo, how long to wait for the failure that caused it
 COMMUNICATION_MARKERS = (
     "RemoteRankError",
     "Connection reset by peer",
@@ -51,6 +51,14 @@ class Failure:
     order: int  # arrival order, breaks ties
 
 
+def window_closed(failures: Sequence[Failure], first_seen: float, now: float) -> bool:
+    """Stop collecting once a causal failure (died or raised) is known, or after ``GRACE_S``:
+    a rank's own failure is the root cause; only a peer's echo needs the wait."""
+    if not failures:
+        return False
+    return any(f.kind < FailureKind.COMMUNICATION for f in failures) or now - first_seen >= GRACE_S
+
+
 def classify_exception_text(text: str) -> FailureKind:
     return (
         FailureKind.COMMUNICATION
@@ -75,7 +83,10 @@ def root_failure(
             )
         )
     if still_running:
-        lines.append(f"still running when the run was ended (hung?): ranks {sorted(still_running)}")
+        lines.append(
+            f"still running when the run was ended (blocked in a collective, or hung): "
+            f"ranks {sorted(still_running)}"
+        )
     kind = "died" if root.kind is FailureKind.DIED else "raised"
     return RankFailure(root.rank, f"{kind} during {where}", "\n".join(lines))
 
