@@ -137,7 +137,7 @@ class RankWorker:
 
     # steps ----------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Inputs and routing of this rank, its weight shard, and the global routing counts."""
+        """Inputs and routing of this rank and the global routing counts."""
         spec, model, device = self.spec, self.spec.model, self.device
         config = MoEConfig(
             num_experts=model.num_experts,
@@ -159,9 +159,6 @@ class RankWorker:
         )
         num_local = model.num_experts // spec.world_size
         self.local_experts = list(range(self.rank * num_local, (self.rank + 1) * num_local))
-        self.w13, self.w2 = workload.stacked_expert_weights(
-            model, self.local_experts, spec.seed, device, self.dtype
-        )
         comm = self._comm()
         per_rank_counts = comm.all_gather_object(
             expert_token_counts(self.topk_ids, model.num_experts)
@@ -185,7 +182,14 @@ class RankWorker:
             mode=spec.mode,
             max_tokens_per_rank=max(1, spec.model.tokens_per_rank),
         )
-        self.layer.load_weights(self.w13, self.w2)  # local [L, ...] shard
+        # this rank's shard only, [L, ...]; regenerated per layer and not kept here, so a backend
+        # that converts the weights holds the only copy
+        shard = workload.stacked_expert_weights(
+            spec.model, self.local_experts, spec.seed, self.device, self.dtype
+        )
+        self.layer.load_weights(*shard)
+        self.expert_weight_bytes = sum(w.nbytes for w in shard)
+        del shard
         choice = self.layer.choice
         self.cases.append(
             {
@@ -263,7 +267,7 @@ class RankWorker:
         """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
         spec, model = self.spec, self.spec.model
         iters, warmup = max(1, spec.iters), spec.warmup
-        num_pairs = self._local_pairs()
+        num_pairs = sum(self.expert_counts[e] for e in self.local_experts)
         self.baseline_times = {
             "a2a_dispatch": time_all_to_all(
                 self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup
@@ -313,7 +317,7 @@ class RankWorker:
             "local_experts": [self.local_experts[0], self.local_experts[-1] + 1],
             "local_expert_counts": local_counts,
             "expert_imbalance": imbalance(local_counts),
-            "expert_weight_bytes": self.w13.nbytes + self.w2.nbytes,
+            "expert_weight_bytes": self.expert_weight_bytes,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "cases": cases,
             # identical on every rank:
@@ -332,9 +336,6 @@ class RankWorker:
         if self.layer is None:
             raise RuntimeError("build() must run before this step")
         return self.layer
-
-    def _local_pairs(self) -> int:
-        return sum(self.expert_counts[e] for e in self.local_experts)
 
     def _maybe_fail(self) -> None:
         """Test hook (``--inject-failure``): fail as told, on the first layout only."""
