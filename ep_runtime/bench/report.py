@@ -111,7 +111,7 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
                 "validation": validations,
             }
         )
-    notes = list(spec.get("notes", []))
+    notes = []
     if world == 1:
         notes.append("W = 1: dispatch/combine 'bandwidth' is a local memory copy, not a network")
     return {

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
 from ep_runtime.launch.presets import PRESETS, preset_by_name
-from ep_runtime.launch.progress import RunProgress
+from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.spec import (
     FAILURE_KINDS,
     FailureInjection,
@@ -142,7 +142,7 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
 
 
 def _launch(
-    launcher: str, spec: RunSpec, address: str | None, progress_factory
+    launcher: str, spec: RunSpec, address: str | None, progress_factory: ProgressFactory
 ) -> tuple[RunSpec, list[dict], bool]:
     """Run on the chosen launcher: (resolved spec, summaries by rank, whether to report here)."""
     if launcher == "ray":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 from rich.console import Console
@@ -50,3 +51,6 @@ class RunProgress:
 
     def done(self, step: Step) -> None:
         self._progress.update(self._task, advance=step.work, description=step.label)
+
+
+ProgressFactory = Callable[[list[Step]], RunProgress]  # what a launcher is given: steps -> bar

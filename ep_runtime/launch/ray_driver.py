@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ep_runtime.launch.progress import RunProgress
+from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.rank import RankWorker, Step, plan
 from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec
 from ep_runtime.launch.supervision import (
@@ -216,7 +216,7 @@ def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
 
 
 def run_with_ray(
-    spec: RunSpec, address: str | None, progress_factory
+    spec: RunSpec, address: str | None, progress_factory: ProgressFactory
 ) -> tuple[RunSpec, list[dict]]:
     """Run ``spec`` on Ray; returns the resolved spec and every rank's summary, by rank."""
     session = RaySession(address)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_runtime.launch.progress import ProgressFactory
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
 from ep_runtime.launch.spec import LaunchError, RunSpec
 from ep_runtime.launch.supervision import (
@@ -60,7 +61,7 @@ def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue) -> None:
         raise SystemExit(1) from None
 
 
-def run_with_spawn(spec: RunSpec, progress_factory) -> tuple[RunSpec, list[dict]]:
+def run_with_spawn(spec: RunSpec, progress_factory: ProgressFactory) -> tuple[RunSpec, list[dict]]:
     """Run ``spec`` in ``world_size`` child processes; returns every rank's summary, by rank."""
     spec = dataclasses.replace(spec, device=resolve_device(spec.device, spec.world_size))
     steps = plan(spec)

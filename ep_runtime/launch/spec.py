@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -53,7 +53,6 @@ class RunSpec:
     baselines: bool = True
     timeout_s: float = 60.0  # every collective; a desync fails instead of hanging
     inject_failure: FailureInjection | None = None
-    notes: tuple[str, ...] = field(default=())
 
     def torch_dtype(self) -> torch.dtype | None:
         """``None`` lets ``MoEConfig`` choose (bf16 on CUDA, fp32 on CPU)."""

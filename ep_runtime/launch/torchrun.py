@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ep_runtime.launch.progress import ProgressFactory
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
 from ep_runtime.launch.spec import LaunchError, RunSpec
 
@@ -44,7 +45,9 @@ def is_torchrun_env() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_with_env(spec: RunSpec, progress_factory) -> tuple[RunSpec, list[dict], int]:
+def run_with_env(
+    spec: RunSpec, progress_factory: ProgressFactory
+) -> tuple[RunSpec, list[dict], int]:
     """Run this rank; returns the resolved spec, every rank's summary and this rank's id."""
     place = env_rank()
     if place.world_size != spec.world_size:
