@@ -197,6 +197,12 @@ def test_root_failure_prefers_an_own_exception_and_strips_colour():
     assert error.rank == 2 and "\x1b" not in str(error) and "ValueError: bad" in str(error)
 
 
+def test_root_failure_blames_the_silent_rank_when_peers_only_timed_out():
+    echo = Failure(0, FailureKind.COMMUNICATION, "gloo: Timed out waiting 5000ms", 0)
+    error = root_failure([echo], "step x", still_running=[1])
+    assert error.rank == 1 and "hung" in error.where and "Timed out" in str(error)
+
+
 def test_failure_window_waits_only_while_just_echoes_are_known():
     echo = Failure(0, FailureKind.COMMUNICATION, "Connection reset by peer", 0)
     cause = Failure(1, FailureKind.RAISED, "ValueError", 1)
@@ -272,14 +278,17 @@ def test_spawn_run_validates_every_rank_and_reports_hand_countable_facts(tmp_pat
         assert all(v["deterministic"] and v["validated_tokens"] == 64 for v in entry["validation"])
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit"])
+@pytest.mark.parametrize("kind", ["raise", "exit", "hang"])
 def test_spawn_failure_ends_run_naming_the_rank(tmp_path, capsys, kind):
-    code, report, elapsed = _run_spawn(tmp_path, "--dp", "2", "--inject-failure", f"1:{kind}:1")
+    """A hung rank is found through the collective timeout (3 s here) of its peer."""
+    code, report, elapsed = _run_spawn(
+        tmp_path, "--dp", "2", "--timeout", "3", "--inject-failure", f"1:{kind}:1"
+    )
     out = capsys.readouterr().out
     assert code == EXIT_RANK_FAILED, out
-    assert elapsed < 60  # start-up included; the collective timeout (60 s) was not waited for
+    assert elapsed < 30, f"{elapsed:.1f} s"
     assert report["failed_rank"] == 1 and not report["passed"]
-    assert re.search(r"rank 1 \((raised|died)", out)
+    assert re.search(r"rank 1 \((raised|died|hung)", out)
     if kind == "raise":
         failed_at = float(re.search(r"at unix time ([0-9.]+)", out).group(1))
         assert time.time() - failed_at < 10

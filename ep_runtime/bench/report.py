@@ -190,6 +190,8 @@ def print_report(report: dict, console: Console) -> None:
                 f"{ratio:.2f}" if ratio is not None else "",
             )
         console.print(phases)
+        for line in case["choice"].splitlines()[1:]:  # why "auto" passed over the others
+            console.print(f"[dim]{line.strip()}[/]", highlight=False)
     ranks = Table(title="Ranks")
     for column in (
         "rank", "host", "recv rows", "recv MB", "pairs", "max/mean",

@@ -70,7 +70,11 @@ def classify_exception_text(text: str) -> FailureKind:
 def root_failure(
     failures: Sequence[Failure], where: str, still_running: Sequence[int] = ()
 ) -> RankFailure:
-    """The error to report: the most causal failure, listing the others and any silent ranks."""
+    """The error to report: the most causal failure, listing the others and any silent ranks.
+
+    When every failure is an echo (peers timed out in a collective) and some rank never
+    answered, that rank is the one to blame: it hung or desynchronised while its peers waited.
+    """
     root = min(failures, key=lambda f: (f.kind, f.order))
     lines = [ANSI_ESCAPE.sub("", root.detail).rstrip()]
     others = [f for f in failures if f is not root]
@@ -82,9 +86,13 @@ def root_failure(
                 for f in sorted(others, key=lambda f: f.rank)
             )
         )
+    if root.kind is FailureKind.COMMUNICATION and still_running:
+        culprit = min(still_running)
+        lines.insert(0, f"rank {culprit} never answered; rank {root.rank} gave up waiting for it:")
+        return RankFailure(culprit, f"hung during {where}", "\n".join(lines))
     if still_running:
         lines.append(
-            f"still running when the run was ended (blocked in a collective, or hung): "
+            f"still running when the run was ended (blocked in a collective): "
             f"ranks {sorted(still_running)}"
         )
     kind = "died" if root.kind is FailureKind.DIED else "raised"
