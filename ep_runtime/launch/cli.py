@@ -36,7 +36,7 @@ LAUNCHERS = ("auto", "ray", "spawn", "torchrun")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ep_runtime.launch",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = parser.add_argument_group("ranks")
