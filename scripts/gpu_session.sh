@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything the single-H200 machine can check, in two parts that each fit one 10-minute device
+# call (run them back to back; carry .whl/, made by launch/prepare_gpu_wheels.sh plus the
+# trimmed flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels):
+#   bash scripts/gpu_session.sh tests     # pytest (CUDA + multi-rank), NCCL/GIN probe, DeepEP and
+#                                         # FlashInfer refusal checks
+#   bash scripts/gpu_session.sh launch    # the launcher: spawn, torchrun, Ray; presets; DSV3 memory
+# Logs go to $OUT (the device tool's folder) or ./out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?usage: gpu_session.sh tests|launch}"
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+site=/tmp/ep_site
+mkdir -p "$site"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+  .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl >/dev/null 2>&1 || echo "flashinfer wheels not installed"
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+section() { echo; echo "################ $* ($(date +%T))"; }
+
+if [[ "$part" == tests ]]; then
+  exec > >(tee "$OUT/tests.log") 2>&1
+  section environment
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+  section "NCCL / GIN probe"
+  timeout 60 python3 -m ep_runtime.dispatch.nccl_probe
+  section "DeepEP: auto falls back with the reason"
+  timeout 120 python3 scripts/gpu_deepep_check.py; echo "gpu_deepep_check exit $?"
+  section "FlashInfer: refusals timed, auto's choice"
+  timeout 120 python3 scripts/gpu_flashinfer_check.py; echo "gpu_flashinfer_check exit $?"
+  section "pytest: CUDA-only tests and the multi-rank suite (W=1 on NCCL, W=2/4 on gloo)"
+  EP_TEST_GROUP_TIMEOUT_S=60 timeout 420 python3 -m pytest -q -p no:cacheprovider -rs \
+    --timeout 240 --ignore=tests/test_launch_ray.py --junitxml "$OUT/pytest.xml" tests
+  echo "pytest exit $?"
+elif [[ "$part" == launch ]]; then
+  exec > >(tee "$OUT/launch.log") 2>&1
+  section "launcher GPU checks"
+  runs=/tmp/launch_runs
+  OUT="$runs" timeout 560 bash launch/gpu_check.sh
+  echo "gpu_check exit $?"
+  tar czf "$OUT/launch_runs.tgz" -C "$runs" .
+fi
