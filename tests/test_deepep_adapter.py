@@ -337,7 +337,7 @@ def test_ids_reach_deepep_in_its_topk_idx_t(id_dtype, layout, mode):
 
 # ------------------------------------------------------------------ refusals and GIN
 def test_auto_on_cpu_picks_torch_and_says_why_not_deepep():
-    layer = EPMoE(_config(), dispatcher="auto", experts="reference")
+    layer = EPMoE(_config(), dispatcher="auto", experts="reference", device="cpu")
     try:
         assert layer.choice.dispatcher == "torch_a2a"
         assert "cuda" in layer.choice.refused["dispatcher:deepep_v2"]

@@ -301,7 +301,7 @@ def test_torchrun_runs_the_same_rank_code(tmp_path):
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ep_runtime.launch"]
-    command += ["--iters", "2", "--warmup", "1", "--json", str(report)]
+    command += ["--device", "cpu", "--iters", "2", "--warmup", "1", "--json", str(report)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(report.read_text())
