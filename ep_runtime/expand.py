@@ -67,12 +67,14 @@ def plan_expansion(local_index: torch.Tensor, num_local_experts: int, num_rows: 
 def sum_rows_fp32(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``out[i] = Σ_j rows[positions[i, j]]`` in fp32; position ``len(rows)`` means "nothing".
 
-    A loop over the (small) second dim of ``positions``: deterministic, no atomics, and it never
-    reads a row that is not referenced (padding may hold NaN).
+    One gather, one mask and one fp32 reduction (``torch.sum`` with ``dtype``): deterministic, no
+    atomics, and an unreferenced row (padding may hold NaN) never reaches the sum.
     """
     num_out, width = positions.shape
-    padded = torch.cat([rows, rows.new_zeros(1, rows.size(1))])
-    acc = torch.zeros(num_out, rows.size(1), dtype=torch.float32, device=rows.device)
-    for j in range(width):
-        acc += padded.index_select(0, positions[:, j]).float()
-    return acc
+    num_rows, hidden = rows.shape
+    if num_rows == 0:
+        return torch.zeros(num_out, hidden, dtype=torch.float32, device=rows.device)
+    unused = positions >= num_rows  # [N, J]
+    gathered = rows.index_select(0, positions.clamp(max=num_rows - 1).reshape(-1))
+    gathered = gathered.view(num_out, width, hidden).masked_fill_(unused.unsqueeze(-1), 0)
+    return torch.sum(gathered, dim=1, dtype=torch.float32)

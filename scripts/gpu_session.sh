@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh tests     # pytest (CUDA + multi-rank), NCCL/GIN probe, DeepEP and
 #                                         # FlashInfer refusal checks
 #   bash scripts/gpu_session.sh launch    # the launcher: spawn, torchrun, Ray; presets; DSV3 memory
+#   bash scripts/gpu_session.sh bench     # BENCHMARKS.md figures: DSV3 EP8 shard and Qwen3 at W=1,
+#                                         # exact and capacity (eager and CUDA-graph replay)
 # Logs go to $OUT (the device tool's folder) or ./out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +44,22 @@ elif [[ "$part" == launch ]]; then
   OUT="$runs" timeout 560 bash launch/gpu_check.sh
   echo "gpu_check exit $?"
   tar czf "$OUT/launch_runs.tgz" -C "$runs" .
+elif [[ "$part" == bench ]]; then
+  exec > >(tee "$OUT/bench.log") 2>&1
+  runs=/tmp/bench_runs
+  mkdir -p "$runs"
+  bench() {  # bench NAME ARGS...: one spawn-launcher run at W=1 on the GPU
+    local name="$1"
+    shift
+    section "bench $name: $*"
+    timeout 240 python3 -m ep_runtime.launch --launcher spawn --dp 1 --device cuda --iters 20 \
+      --warmup 5 --json "$runs/$name.json" "$@" | tail -12
+  }
+  shard=(--model deepseek-v3 --num-experts 32)  # one EP8 rank's experts
+  bench dsv3_shard_t128_exact "${shard[@]}" --tokens 128 --layout both
+  bench dsv3_shard_t128_capacity "${shard[@]}" --tokens 128 --layout both --mode capacity
+  bench dsv3_shard_t4096_exact "${shard[@]}" --tokens 4096 --layout both
+  bench qwen3_t256_capacity --model qwen3-30b-a3b --tokens 256 --layout both --mode capacity
+  bench qwen3_t4096_exact --model qwen3-30b-a3b --tokens 4096 --layout both
+  tar czf "$OUT/bench_runs.tgz" -C "$runs" .
 fi

@@ -17,7 +17,11 @@ CONVENTIONS = (
     "expert TFLOP/s counts valid (token, expert) pairs only, averaged over ranks",
     "baselines from the same run: all_to_all_single of the same rows (the floor) and a dense "
     "GEMM pair of the same FLOPs (the ceiling); 'vs baseline' = baseline time / phase time",
+    "layer_floor = a2a dispatch + dense GEMM + a2a combine; layer_graph = the layer replayed as a "
+    "captured CUDA graph (capacity mode on CUDA)",
 )
+LAYER_FLOOR_PARTS = ("a2a_dispatch", "dense_gemm", "a2a_combine")
+LAYER_FLOOR = "layer_floor"
 
 
 def _ms(stats: dict) -> dict:
@@ -45,6 +49,9 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     flops = [r["expert_flops"] for r in ranks]
     baselines = {name: _ms(stats) for name, stats in first["baselines"].items()}
     baseline_s = {name: stats["median_s"] for name, stats in first["baselines"].items()}
+    if all(name in baseline_s for name in LAYER_FLOOR_PARTS):
+        baseline_s[LAYER_FLOOR] = sum(baseline_s[name] for name in LAYER_FLOOR_PARTS)
+        baselines[LAYER_FLOOR] = {"median_ms": baseline_s[LAYER_FLOOR] * 1e3}
     cases = []
     for index, case in enumerate(first["cases"]):
         phases = case["phases"]
@@ -60,8 +67,10 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
             ("dispatch", "a2a_dispatch"),
             ("combine", "a2a_combine"),
             ("experts", "dense_gemm"),
+            ("layer", LAYER_FLOOR),
+            ("layer_graph", LAYER_FLOOR),
         ):
-            if baseline in baseline_s and seconds[phase] > 0:
+            if baseline in baseline_s and seconds.get(phase, 0) > 0:
                 ratios[f"{phase}_vs_{baseline}"] = baseline_s[baseline] / seconds[phase]
         cases.append(
             {
@@ -174,7 +183,8 @@ def print_report(report: dict, console: Console) -> None:
             ("dispatch", f"{rates['dispatch_GBps']:.3g} GB/s", "a2a_dispatch"),
             ("experts", f"{rates['experts_TFLOPs']:.3g} TFLOP/s", "dense_gemm"),
             ("combine", f"{rates['combine_GBps']:.3g} GB/s", "a2a_combine"),
-            ("layer", "", None),
+            ("layer", "", LAYER_FLOOR),
+            *((("layer_graph", "", LAYER_FLOOR),) if "layer_graph" in case["phases"] else ()),
         )
         for phase, rate, baseline in rows:
             stats = case["phases"][phase]

@@ -135,12 +135,12 @@ class TorchAllToAll(Dispatcher):
         ids = topk_ids.to(torch.int64)
         num_tokens, top_k = ids.shape
         world = self.comm.world_size
-        dest = torch.where(ids >= 0, ids // self.num_local, torch.full_like(ids, world))
+        # owner rank per slot; -1 // L = -1 and -1 mod (W + 1) = W: unused slots go to column W
+        dest = torch.remainder(torch.floor_divide(ids, self.num_local), world + 1)
         mask = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=ids.device)
-        mask.scatter_(1, dest, True)
-        mask = mask[:, :world]
-        as_int = mask.to(torch.int64)
-        return _Route(mask, as_int.cumsum(0) - 1, as_int.sum(0), top_k)
+        mask = mask.scatter_(1, dest, True)[:, :world]
+        slot = mask.cumsum(0)  # int64
+        return _Route(mask, slot - 1, slot[-1] if num_tokens else slot.sum(0), top_k)
 
     def _combine_positions(self, route: _Route, rank_base: torch.Tensor) -> torch.Tensor:
         """``[T, J]``: rows of the combine receive buffer holding token t's per-rank results

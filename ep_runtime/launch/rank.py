@@ -34,8 +34,10 @@ from ep_runtime.config import MoEConfig
 from ep_runtime.launch import workload
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.tolerance import compare_per_token, tolerance_for
+from ep_runtime.types import DispatchMode
 
 PHASES = ("dispatch", "experts", "combine", "layer")
+GRAPH_PHASE = "layer_graph"  # capacity mode on CUDA: the layer replayed as a captured CUDA graph
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class RankWorker:
         )
         self.comm: Comm | None = None
         self.layer: EPMoE | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_out: torch.Tensor | None = None  # [T, H] the graph's static output
         self.case = -1
         self.cases: list[dict] = []
 
@@ -190,6 +194,8 @@ class RankWorker:
         self.layer.load_weights(*shard)
         self.expert_weight_bytes = sum(w.nbytes for w in shard)
         del shard
+        self.graph = self._capture_graph()
+        phases = PHASES if self.graph is None else (*PHASES, GRAPH_PHASE)
         choice = self.layer.choice
         self.cases.append(
             {
@@ -199,7 +205,7 @@ class RankWorker:
                 "layout": choice.layout.value,
                 "refused": dict(choice.refused),
                 "choice": choice.describe(),
-                "times": {phase: [] for phase in PHASES},
+                "times": {phase: [] for phase in phases},
             }
         )
         return {"choice": choice.describe()}
@@ -221,12 +227,16 @@ class RankWorker:
                 lambda e=expert_out, d=dispatched: dispatcher.combine(e, d)
             )
             _, t_layer = clock.time(lambda: layer(x, ids, weights))
+            if self.graph is not None:
+                _, t_graph = clock.time(self.graph.replay)
             if timed:
                 self.timed_iterations += 1
                 for phase, seconds in zip(
                     PHASES, (t_dispatch, t_experts, t_combine, t_layer), strict=True
                 ):
                     times[phase].append(seconds)
+                if self.graph is not None:
+                    times[GRAPH_PHASE].append(t_graph)
 
     def validate(self) -> dict:
         """Layer output on a token sample vs ``reference_moe`` (only the experts it touches), and
@@ -245,6 +255,9 @@ class RankWorker:
         tolerance = tolerance_for(self.dtype, max(model.hidden_size, model.intermediate_size))
         comparison = compare_per_token(out[rows], reference, tolerance)
         deterministic = torch.equal(out, phase_out)
+        if self.graph is not None:
+            self.graph.replay()
+            deterministic = deterministic and torch.equal(out, self.graph_out)
         result = {
             "passed": comparison.passed and deterministic,
             "max_abs_err": comparison.max_abs_error,
@@ -260,8 +273,27 @@ class RankWorker:
         return result
 
     def close_case(self) -> None:
+        self.graph = self.graph_out = None
         self._layer().close()
         self.layer = None
+
+    def _capture_graph(self) -> torch.cuda.CUDAGraph | None:
+        """Capacity mode on CUDA (the decode path): capture one layer forward as a CUDA graph,
+        after warm-up on a side stream; every rank captures at the same step."""
+        layer = self._layer()
+        if layer.mode is not DispatchMode.CAPACITY or self.device.type != "cuda":
+            return None
+        x, ids, weights = self.x, self.topk_ids, self.topk_weights
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                layer(x, ids, weights)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.graph_out = layer(x, ids, weights)
+        return graph
 
     def baselines(self) -> None:
         """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
@@ -296,7 +328,7 @@ class RankWorker:
             gathered = comm.all_gather_object(case["times"])
             stats = {
                 phase: max_over_ranks_stats([times[phase] for times in gathered]).to_json()
-                for phase in PHASES
+                for phase in case["times"]
             }
             cases.append({k: v for k, v in case.items() if k != "times"} | {"phases": stats})
         baselines = {}
