@@ -15,8 +15,8 @@ OUT="${OUT:-out}"
 mkdir -p "$OUT"
 site=/tmp/ep_site
 mkdir -p "$site"
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-  .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl >/dev/null 2>&1 || echo "flashinfer wheels not installed"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
+  >/dev/null 2>&1 || echo "carried wheels not installed"
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
