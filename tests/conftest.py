@@ -28,6 +28,9 @@ EXPECTED_SKIPS_WITH_CUDA = [
     r"flashinfer is not installed|module is not built|cubin",
     r"symmetric memory",
     r"bf16 only",
+    r"ranks need \d+ GPUs, found \d+",  # a world size above this machine's GPU count
+    r"imitation runs on CPU \(gloo\) ranks",  # the DeepEP imitation; real one is separate
+    r"ray is not installed|needs ray\[default\]",  # GPU hosts without Ray
 ]
 
 _skips: list[tuple[str, str]] = []

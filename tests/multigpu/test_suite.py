@@ -5,6 +5,7 @@ against ``reference_moe`` with the derived tolerance (ep_runtime/tolerance.py)."
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from tests.multigpu.cases import CaseSpec
 from tests.multigpu.expectations import expected_refusal
 from tests.multigpu.pool import RankFailure
 
-WORLD_SIZES = (1, 2, 4)
+# EP_TEST_WORLD_SIZES=1,2,4,8 on a machine with 8 GPUs runs NCCL across all of them
+WORLD_SIZES = tuple(int(w) for w in os.environ.get("EP_TEST_WORLD_SIZES", "1,2,4").split(","))
 
 
 def backend_matrix():
