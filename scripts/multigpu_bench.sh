@@ -115,7 +115,9 @@ if has_part suite; then
   if (( GPUS < 2 )); then
     note "suite skipped: needs >= 2 GPUs, found $GPUS" "$OUT/suite.log"
   else
-    run "$OUT/suite.log" "$PYTHON" -m pytest -q -rs tests/multigpu/test_suite.py
+    sizes=$(for w in 1 2 4 8; do (( w <= GPUS )) && printf '%s,' "$w"; done)
+    EP_TEST_WORLD_SIZES="${sizes%,}" EP_TEST_GROUP_TIMEOUT_S=120 \
+      run "$OUT/suite.log" "$PYTHON" -m pytest -q -rs tests/multigpu
   fi
 fi
 
