@@ -51,7 +51,8 @@ def plan_expansion(local_index: torch.Tensor, num_local_experts: int, num_rows: 
     served = flat < num_local_experts
     slot_position = torch.where(served, inverse, torch.full_like(inverse, num_rows))
     offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    offsets[1:] = counts.cumsum(0)
+    # clamped: malformed input (a repeated id) can never point a GEMM past num_rows
+    offsets[1:] = counts.cumsum(0).clamp(max=num_rows)
     valid = torch.arange(num_rows, device=device) < offsets[-1]
     return Expansion(
         source_row=kept // max(top_k, 1),

@@ -92,6 +92,37 @@ def choose_backends(
     )
 
 
+def agree_on_backends(
+    comm: Comm,
+    dispatcher: str,
+    experts: str,
+    layout: TopkLayout | None,
+    dispatch_setup: DispatchSetup,
+    experts_setup: ExpertsSetup,
+) -> tuple[type[Dispatcher], type[Experts], BackendChoice]:
+    """``choose_backends`` on every rank, then one all-gather so that all ranks run the same
+    pair (their collectives must match) or all raise, naming the ranks that differ."""
+    refusal: BackendUnavailableError | None = None
+    try:
+        chosen = choose_backends(dispatcher, experts, layout, dispatch_setup, experts_setup)
+        summary = (chosen[2].dispatcher, chosen[2].experts, chosen[2].layout.value)
+    except BackendUnavailableError as error:
+        refusal, summary = error, f"no backend: {error}"
+    if comm.world_size > 1:
+        summaries = comm.all_gather_object(summary)
+        chosen_somewhere = any(isinstance(s, tuple) for s in summaries)
+        if chosen_somewhere and len(set(map(str, summaries))) > 1:
+            per_rank = "\n".join(f"  rank {rank}: {s}" for rank, s in enumerate(summaries))
+            raise BackendUnavailableError(
+                "experts+dispatcher",
+                f"experts={experts}, dispatcher={dispatcher}",
+                {"ranks disagree": f"every rank must run the same backends:\n{per_rank}"},
+            )
+    if refusal is not None:
+        raise refusal
+    return chosen
+
+
 class EPMoE(torch.nn.Module):
     """An expert-parallel MoE layer: route-free (ids and weights come in), forward only.
 
@@ -151,15 +182,15 @@ class EPMoE(torch.nn.Module):
             max_tokens_per_rank=capacity,
             requested_by_name=experts != "auto",
         )
-        dispatcher_cls, experts_cls, self.choice = choose_backends(
-            dispatcher, experts, requested_layout, dispatch_setup, experts_setup
+        dispatcher_cls, experts_cls, self.choice = agree_on_backends(
+            self.comm, dispatcher, experts, requested_layout, dispatch_setup, experts_setup
         )
         self.layout = self.choice.layout
         self.experts = experts_cls(experts_setup)
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup)
         self._closed = False
         self._weights_loaded = False
-        # device-side count of out-of-range ids replaced by -1 (capacity mode on CUDA)
+        # device-side count of out-of-range or repeated ids replaced by -1 (capacity mode on CUDA)
         self._bad_id_count = torch.zeros((), dtype=torch.int64, device=self.comm.device)
 
     @property
@@ -212,13 +243,19 @@ class EPMoE(torch.nn.Module):
                 capacity=self.max_tokens_per_rank if capacity_mode else None,
                 check_values=self.checks_values,
             )
-            if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
-                raise EPInputError("out", f"shape {list(x.shape)} dtype {x.dtype}", list(out.shape))
+            if out is not None and (
+                out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+            ):
+                raise EPInputError(
+                    "out",
+                    f"shape {list(x.shape)}, dtype {x.dtype} on {x.device} (as x)",
+                    f"shape {list(out.shape)}, dtype {out.dtype} on {out.device}",
+                )
         except Exception as error:
             self.dispatcher.abort(error, self.layout)
         topk_weights = topk_weights.float()
         if not self.checks_values:
-            topk_ids = self._drop_out_of_range_ids(topk_ids)
+            topk_ids = self._drop_invalid_ids(topk_ids)
         num_tokens = x.size(0)
         if out is None:
             out = torch.empty_like(x)
@@ -253,11 +290,18 @@ class EPMoE(torch.nn.Module):
         self.dispatcher.combine(expert_output, dispatched, out=out)
         return dispatched.num_chunks
 
-    def _drop_out_of_range_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Capacity mode on CUDA: out-of-range ids become -1 and are counted on the device."""
-        bad = (topk_ids < -1) | (topk_ids >= self.config.num_experts)
-        self._bad_id_count += bad.sum()
-        return torch.where(bad, torch.full_like(topk_ids, -1), topk_ids)
+    def _drop_invalid_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Capacity mode on CUDA: out-of-range ids and repeats within a row become -1 and are
+        counted on the device (no sync). Repeats must go: buffers are sized for ≤ min(K, L)
+        served slots per row."""
+        out_of_range = (topk_ids < -1) | (topk_ids >= self.config.num_experts)
+        ids = topk_ids.masked_fill(out_of_range, -1)
+        ordered, order = ids.sort(dim=1, stable=True)
+        repeat_sorted = torch.zeros_like(out_of_range)
+        repeat_sorted[:, 1:] = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        repeated = torch.zeros_like(out_of_range).scatter_(1, order, repeat_sorted)
+        self._bad_id_count += out_of_range.sum() + repeated.sum()
+        return ids.masked_fill(repeated, -1)
 
     def check(self) -> None:
         """Raise errors recorded on the device since the last check (one host sync)."""
@@ -267,8 +311,8 @@ class EPMoE(torch.nn.Module):
             self._bad_id_count.zero_()
             raise EPInputError(
                 "topk_ids",
-                f"values in [0, {self.config.num_experts}) or -1",
-                f"{bad} out-of-range ids (replaced by -1)",
+                f"distinct values in [0, {self.config.num_experts}) or -1 per row",
+                f"{bad} out-of-range or repeated ids (replaced by -1)",
             )
         self.dispatcher.check()
 

@@ -36,7 +36,16 @@ def route(
     num_experts = router_logits.size(1)
     if not 1 <= top_k <= num_experts:
         raise EPInputError("top_k", f"in [1, {num_experts}]", top_k)
-    scoring = Scoring(scoring)
+    try:
+        scoring = Scoring(scoring)
+    except ValueError:
+        raise EPInputError("scoring", f"one of {[s.value for s in Scoring]}", scoring) from None
+    if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
+        raise EPInputError("correction_bias", f"shape [{num_experts}]", list(correction_bias.shape))
+    if logical_to_physical is not None and tuple(logical_to_physical.shape) != (num_experts,):
+        raise EPInputError(
+            "logical_to_physical", f"shape [{num_experts}]", list(logical_to_physical.shape)
+        )
     logits = router_logits.float()
     scores = logits.softmax(-1) if scoring is Scoring.SOFTMAX else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()

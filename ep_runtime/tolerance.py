@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
-FP32_UNIT_ROUNDOFF = 2.0**-24
 ROUNDINGS_ALLOWED = 8
 
 
@@ -25,7 +24,7 @@ def tolerance_for(dtype: torch.dtype, reduction_length: int = 4096) -> float:
     """Allowed per-token relative error for ``dtype`` with dot products of ``reduction_length``."""
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype: expected one of {list(UNIT_ROUNDOFF)}, given {dtype}")
-    accumulation = ROUNDINGS_ALLOWED * math.sqrt(reduction_length) * FP32_UNIT_ROUNDOFF
+    accumulation = ROUNDINGS_ALLOWED * math.sqrt(reduction_length) * UNIT_ROUNDOFF[torch.float32]
     return ROUNDINGS_ALLOWED * UNIT_ROUNDOFF[dtype] + accumulation
 
 

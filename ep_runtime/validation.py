@@ -65,6 +65,10 @@ def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Ids in ``[0, E)`` or -1; no id twice in one token's row."""
     ids = topk_ids.to(torch.int64)
     bad = (ids < -1) | (ids >= num_experts)
+    ordered = ids.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if not bool(bad.any() | repeated.any()):  # the one host read; details only on error
+        return
     if bool(bad.any()):
         row, col = (int(v) for v in bad.nonzero()[0])
         raise EPInputError(
@@ -72,10 +76,7 @@ def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
             f"values in [0, {num_experts}) or -1",
             f"{int(ids[row, col])} at [{row}, {col}]",
         )
-    ordered = ids.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(repeated.any()):
-        row = int(repeated.any(dim=1).nonzero()[0])
-        raise EPInputError(
-            "topk_ids", "distinct expert ids within a row", f"row {row} = {ids[row].tolist()}"
-        )
+    row = int(repeated.any(dim=1).nonzero()[0])
+    raise EPInputError(
+        "topk_ids", "distinct expert ids within a row", f"row {row} = {ids[row].tolist()}"
+    )

@@ -6,7 +6,8 @@ machine (SM90) it shows that
    attempt) with the reason, where calling the kernel would retry downloads for about a minute;
 2. the cubin probe (run directly, as on an SM100 machine without cubins) names the missing
    manifest and the ``FLASHINFER_CUBIN_DIR`` hint, also at once;
-3. ``flashinfer_cutlass`` is refused at once while its JIT module is not built;
+3. ``flashinfer_cutlass`` named explicitly answers at once: refused if flashinfer or the device
+   cannot run it, else accepted (naming it allows its JIT build on first use; "auto" never does);
 4. ``experts="auto"`` picks another backend, prints every refusal (``layer.choice.describe()``)
    and that backend matches ``reference_moe``.
 Exit status 0 only if all four hold. Works with or without flashinfer installed.

@@ -80,30 +80,18 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
     run_cases(imitation_pool(world_size), spec)
 
 
-EDGES = {
-    "no_tokens_on_rank0": dict(tokens=(0, 9)),
-    "no_tokens_anywhere": dict(tokens=(0, 0)),
-    "one_token": dict(tokens=(1, 1)),
-    "all_to_one_expert": dict(routing="one_expert"),
-    "all_slots_unused": dict(routing="all_unused"),
-    "k_below_config_top_k": dict(top_k=4, k=2),
-    "experts_equal_world": dict(num_experts=2, top_k=2),
-    "full_cap_not_power_of_two": dict(cap=6, tokens=(6, 5)),
-}
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(EDGES))
+@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    run_cases(imitation_pool(2), cases.with_spec(spec, **EDGES[edge]))
+    run_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, cap=4, tokens=(11, 2))
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
     run_cases(imitation_pool(2), spec)
 
 

@@ -62,3 +62,12 @@ def test_bad_router_arguments() -> None:
         route(torch.zeros(4), 1)
     with pytest.raises(EPInputError, match=r"^num_expert_groups"):
         route(torch.zeros(2, 6), 2, num_expert_groups=4, num_topk_groups=1)
+
+
+def test_router_options_are_validated() -> None:
+    with pytest.raises(EPInputError, match=r"^scoring: expected one of"):
+        route(torch.zeros(2, 4), 1, scoring="softmx")
+    with pytest.raises(EPInputError, match=r"^correction_bias: expected shape \[4\]"):
+        route(torch.zeros(2, 4), 1, scoring="sigmoid", correction_bias=torch.zeros(1))
+    with pytest.raises(EPInputError, match=r"^logical_to_physical: expected shape \[4\]"):
+        route(torch.zeros(2, 4), 1, logical_to_physical=torch.arange(3))

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from ep_runtime.comm import Comm
 from ep_runtime.dispatch.base import DispatchSetup
-from ep_runtime.dispatch.torch_a2a import TorchAllToAll, _Route
+from ep_runtime.dispatch.rows import Route
+from ep_runtime.dispatch.torch_a2a import TorchAllToAll
 from ep_runtime.dispatch.torch_symm_mem import (
     TorchSymmMemDispatcher,
     first_token_rows,
@@ -135,7 +136,7 @@ def test_first_token_rows_skip_each_header():
 def test_send_row_sources_pack_tokens_by_destination():
     """4 tokens, 2 ranks: token 0 goes to both, 1 to rank 1, 2 nowhere, 3 to rank 0."""
     mask = torch.tensor([[True, True], [False, True], [False, False], [True, False]])
-    route = _Route(mask, mask.to(torch.int64).cumsum(0) - 1, mask.sum(0), top_k=3)
+    route = Route(mask, mask.to(torch.int64).cumsum(0) - 1, mask.sum(0), top_k=3)
     first = first_token_rows(route.send_counts)
     assert first.tolist() == [1, 4]
     sources = send_row_sources(route, first, num_rows=2 + 4 * 2)
@@ -275,29 +276,17 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
     run_cases(imitation_pool(world_size), spec)
 
 
-EDGES = {
-    "no_tokens_on_rank0": dict(tokens=(0, 9)),
-    "no_tokens_anywhere": dict(tokens=(0, 0)),
-    "one_token": dict(tokens=(1, 1)),
-    "all_to_one_expert": dict(routing="one_expert"),
-    "all_slots_unused": dict(routing="all_unused"),
-    "k_below_config_top_k": dict(top_k=4, k=2),
-    "experts_equal_world": dict(num_experts=2, top_k=2),
-    "full_cap": dict(cap=6, tokens=(6, 6)),
-}
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(EDGES))
+@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    run_cases(imitation_pool(2), cases.with_spec(spec, **EDGES[edge]))
+    run_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, cap=4, tokens=(11, 2))
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
     run_cases(imitation_pool(2), spec)
 
 

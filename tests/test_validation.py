@@ -121,3 +121,22 @@ def test_forward_before_load_weights() -> None:
     layer = EPMoE(CFG, experts="reference", device="cpu")
     with pytest.raises(RuntimeError, match="load_weights"):
         layer(*good_inputs())
+
+
+def test_capacity_mode_drops_out_of_range_and_repeated_ids_on_device() -> None:
+    """The CUDA capacity path cannot sync to reject ids: it turns bad ones into -1 and counts
+    them; ``check()`` then raises with the count (here called directly, on CPU)."""
+    layer = make_layer(mode="capacity", max_tokens_per_rank=4)
+    ids = torch.tensor([[1, 1], [0, 9], [3, -1]])
+    kept = layer._drop_invalid_ids(ids)
+    assert kept.tolist() == [[1, -1], [0, -1], [3, -1]]
+    with pytest.raises(EPInputError, match=r"^topk_ids: .* 2 out-of-range or repeated ids"):
+        layer.check()
+    layer.check()  # the count was reset
+
+
+def test_out_tensor_must_match_x() -> None:
+    layer = make_layer()
+    x, ids, w = good_inputs()
+    with pytest.raises(EPInputError, match=r"^out: expected shape \[3, 8\], dtype torch.float32"):
+        layer(x, ids, w, out=torch.empty(3, 8, dtype=torch.bfloat16))

@@ -147,10 +147,11 @@ class PeerStatus:
     def raise_on_host(
         self, headers: list[list[int]], top_k: int, own_error: BaseException | None = None
     ) -> int:
-        """Raise for a failed rank or a K that differs; returns the forward's chunk count."""
+        """Raise for a failed rank or a K that differs; returns the forward's chunk count.
+        K = 0 (a rank with no tokens, exact mode) agrees with any K."""
         raise_if_any_failed(self.comm, [h[STATUS] for h in headers], own_error)
         ks = [h[TOP_K] for h in headers]
-        if set(ks) != {top_k}:
+        if len({k for k in (*ks, top_k) if k}) > 1:
             raise EPInputError(
                 "topk_ids", "the same K on every rank in one forward", f"K per rank {ks}"
             )

@@ -44,7 +44,7 @@ carries one header row per (source, destination) (status, chunk count, K, rows),
 token rows, each token once per rank that owns one of its experts (DESIGN.md "Wire format"). With
 ``major_align=1`` the received headers sit at rows ``[0, W)`` and the token rows, packed by
 source, from row W. The receiver keeps its slots and expands exactly like torch_a2a (same code:
-this class reuses ``TorchAllToAll``'s row codec and receive/reduce steps), so EXPANDED output is
+``RowDispatcher``'s row codec and receive/reduce steps, rows.py), so EXPANDED output is
 expert-major and goes to grouped_mm without a host sync. Combine pre-reduces each received row's
 local slots in fp32, sends one row per (token, rank) back with ``all_to_all_vdev_2d_offset``
 using the dispatch's ``out_splits_offsets``, and the source sums its rows in fp32 (no atomics):
@@ -80,12 +80,15 @@ import torch.distributed as dist
 from ep_runtime.comm import Comm
 from ep_runtime.dispatch.base import (
     DISPATCHERS,
+    NUM_CHUNKS,
+    STATUS,
+    TOP_K,
     DispatcherCapabilities,
     DispatchSetup,
     ForwardStatus,
     Pending,
 )
-from ep_runtime.dispatch.torch_a2a import HEADER_FIELDS, TorchAllToAll, _Route
+from ep_runtime.dispatch.rows import HEADER_FIELDS, NUM_ROWS, Route, RowDispatcher
 from ep_runtime.expand import count_per_expert
 from ep_runtime.experts.base import local_expert_index
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout
@@ -113,7 +116,7 @@ def first_token_rows(send_counts: torch.Tensor) -> torch.Tensor:
     return chunk.cumsum(0) - chunk + 1
 
 
-def send_row_sources(route: _Route, first_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+def send_row_sources(route: Route, first_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``[num_rows]`` int64: the row of ``[tokens T | headers W | zero row]`` each send row copies.
 
     Rows past the packed total copy the zero row (the op never reads them). No host sync.
@@ -138,10 +141,10 @@ def header_rows(
     """``[W, row_bytes]`` uint8: int32 ``(status, chunks, K, rows to that rank)`` then zeros."""
     world = send_counts.numel()
     header = torch.zeros(world, HEADER_FIELDS, dtype=torch.int32, device=send_counts.device)
-    header[:, 0] = int(status)
-    header[:, 1] = num_local_chunks
-    header[:, 2] = top_k
-    header[:, 3] = send_counts.to(torch.int32)
+    header[:, STATUS] = int(status)
+    header[:, NUM_CHUNKS] = num_local_chunks
+    header[:, TOP_K] = top_k
+    header[:, NUM_ROWS] = send_counts.to(torch.int32)
     rows = torch.zeros(world, row_bytes, dtype=torch.uint8, device=send_counts.device)
     rows[:, : 4 * HEADER_FIELDS] = header.view(torch.uint8)
     return rows
@@ -258,7 +261,7 @@ class _SymmHandle:
 
 
 @DISPATCHERS.register
-class TorchSymmMemDispatcher(TorchAllToAll):
+class TorchSymmMemDispatcher(RowDispatcher):
     """torch_a2a's wire format and receive-side steps on NVSHMEM: no host sync in capacity mode.
 
     Never run on hardware yet (see the module docstring); "auto" does not pick it.
@@ -342,7 +345,7 @@ class TorchSymmMemDispatcher(TorchAllToAll):
         topk_weights: torch.Tensor,  # [T, K]
         status: ForwardStatus,
         num_local_chunks: int,
-    ) -> tuple[_Route, torch.Tensor, int]:
+    ) -> tuple[Route, torch.Tensor, int]:
         """Pack headers and token rows into ``slot.send`` and run the 2-D all-to-all.
 
         Returns (route, first token row per destination, send rows filled)."""

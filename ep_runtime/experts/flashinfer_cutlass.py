@@ -75,8 +75,8 @@ def cutlass_module_missing_reason(module: str) -> str | None:
     return (
         f"FlashInfer's {module} module is not built ({jit_library} is missing) and its JIT build "
         f'takes tens of minutes; build it once with `python -c "from flashinfer.fused_moe.core '
-        f"import get_cutlass_fused_moe_module as m; m('<SM, e.g. 90>')\"` or set "
-        f"{ALLOW_JIT_ENV}=1 to build on first use"
+        f"import get_cutlass_fused_moe_module as m; m('<SM, e.g. 90>')\"`, or name the backend "
+        f"(experts='flashinfer_cutlass') or set {ALLOW_JIT_ENV}=1 to build it on first use"
     )
 
 

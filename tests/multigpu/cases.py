@@ -35,6 +35,7 @@ class CaseSpec:
     routing: str = "random"  # random | one_expert | all_unused
     seed: int = 0
     poison: bool = False
+    idle_k: int | None = None  # K of the ids a rank with no tokens passes; None = k
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -51,6 +52,24 @@ class CaseSpec:
         if self.tokens is not None:
             return self.tokens[rank]
         return min(self.cap, 5 + 4 * rank) if self.mode == "capacity" else 5 + 4 * rank
+
+
+# Edge cases every dispatcher's suite runs (world size 2), as CaseSpec overrides.
+EDGE_CASES: dict[str, dict] = {
+    "no_tokens_on_rank0": dict(tokens=(0, 9)),
+    "no_tokens_anywhere": dict(tokens=(0, 0)),
+    "one_token": dict(tokens=(1, 1)),
+    "odd_tokens": dict(tokens=(7, 3)),
+    "all_to_one_expert": dict(routing="one_expert"),
+    "all_slots_unused": dict(routing="all_unused"),
+    "k_equals_1": dict(top_k=1),
+    "k_below_config_top_k": dict(top_k=4, k=2),
+    "experts_equal_world": dict(num_experts=2, top_k=2),
+    "full_cap_not_power_of_two": dict(cap=6, tokens=(6, 5)),
+}
+# exact mode only: an idle rank passes [0, top_k] ids while the others use K = 2
+IDLE_RANK_OTHER_K = dict(tokens=(0, 7), top_k=4, k=2, idle_k=4)
+CHUNKED_PAST_CAP = dict(cap=4, tokens=(11, 2))  # exact mode: rank 0 needs 3 chunks, rank 1 one
 
 
 @dataclass(frozen=True)
@@ -79,11 +98,14 @@ def make_weights(spec: CaseSpec) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H]``, ``ids [T, K]`` int64 (distinct per row, some -1, a fully unused row),
-    ``weights [T, K]`` distinct, unnormalised, NaN on -1 slots (they must be ignored)."""
+    """``x [T, H]``, ``ids [T, K]`` (distinct per row, some -1, a fully unused row; int64 on even
+    ranks, int32 on odd ones, so every multi-rank case takes both widths), ``weights [T, K]``
+    distinct, unnormalised, NaN on -1 slots (they must be ignored)."""
     generator = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     num_tokens = spec.tokens_for(rank)
     k = spec.k or spec.top_k
+    if num_tokens == 0 and spec.idle_k is not None:
+        k = spec.idle_k
     x = torch.randn(num_tokens, spec.hidden, generator=generator).to(spec.dtype)
     scores = torch.rand(num_tokens, spec.num_experts, generator=generator)
     ids = scores.topk(k, dim=1).indices
@@ -98,7 +120,7 @@ def make_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, 
         ids[num_tokens // 2] = -1  # one token served by nobody: exact zero row
     weights = 0.25 + 1.5 * torch.rand(num_tokens, k, generator=generator)
     weights = torch.where(ids >= 0, weights, torch.full_like(weights, float("nan")))
-    return x, ids, weights
+    return x, ids.to(torch.int32 if rank % 2 else torch.int64), weights
 
 
 def build_layer(spec: CaseSpec) -> EPMoE:
@@ -152,6 +174,7 @@ def run_layer_case(spec: CaseSpec, faults: tuple[str, ...] = ()) -> CaseResult:
 def apply_input_faults(spec: CaseSpec, x, ids, weights, faults: tuple[str, ...]):
     """Negative controls: the layer gets a broken version of the inputs the oracle sees."""
     num_local = spec.num_experts // dist.get_world_size()
+    ids = ids.to(torch.int64)
     valid = ids >= 0
     finite_weights = torch.where(valid, weights, torch.zeros_like(weights))
     for fault in faults:
@@ -194,6 +217,7 @@ def timed_bad_input(spec: CaseSpec, bad_rank: int, fault: str) -> tuple[str, str
     start = time.monotonic()
     try:
         layer(x.to(dev), ids.to(dev), weights.to(dev))
+        layer.check()  # capacity mode on CUDA defers errors to here (no host sync in forward)
         return ("none", "", time.monotonic() - start)
     except Exception as error:
         return (type(error).__name__, str(error), time.monotonic() - start)

@@ -1,5 +1,6 @@
-"""Which backends may be refused on this machine, and why. A refusal not listed here fails the
-test instead of skipping it, so a broken probe that refuses everything turns CI red."""
+"""Which backends may be refused on this machine, and with what reason. A refusal is skipped only
+when the machine's facts predict it and the backend's own message says so (a regex below); any
+other refusal fails the test, so a broken probe that refuses everything turns CI red."""
 
 from __future__ import annotations
 
@@ -10,24 +11,37 @@ import torch
 CUDA_ONLY = ("deepep_v2", "flashinfer_trtllm", "flashinfer_cutlass", "torch_symm_mem")
 
 
-def expected_refusal(backend: str, device_type: str, dtype: torch.dtype) -> str | None:
-    """The reason ``backend`` is expected to be unavailable here, or None if it must run."""
+def _nvshmem_available() -> bool:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    return bool(symm_mem.is_nvshmem_available())
+
+
+def expected_refusal(
+    backend: str, device_type: str, dtype: torch.dtype, world_size: int
+) -> str | None:
+    """A regex the refusal of ``backend`` must match where it is expected here, else None."""
     if backend in CUDA_ONLY and device_type != "cuda":
-        return f"{backend} needs CUDA; these ranks run on {device_type}"
+        return r"runs on \['cuda'\], not cpu"
     if device_type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
-    if backend == "flashinfer_trtllm" and arch not in (100, 103):
-        return f"TRTLLM routed kernels need SM100/103, this GPU is SM{arch}"
-    if backend.startswith("flashinfer") and importlib.util.find_spec("flashinfer") is None:
-        return "flashinfer is not installed"
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    if backend == "flashinfer_trtllm":
+        if arch not in (100, 103):
+            return r"needs SM \[100, 103\]"
+        return None if has_flashinfer else r"flashinfer is not importable"
     if backend == "flashinfer_cutlass":
-        return "cutlass_fused_moe's JIT module is not built on this machine (module is not built)"
+        return r"module is not built" if has_flashinfer else r"flashinfer is not importable"
     if backend == "deepep_v2":
-        return "deep_ep V2 with NCCL >= 2.30.4 may be absent on this machine"
+        if importlib.util.find_spec("deep_ep") is None:
+            return r"deep_ep is not installed"
+        return r"NCCL" if torch.cuda.nccl.version() < (2, 30, 4) else None
     if backend == "torch_symm_mem":
-        return "symmetric memory needs >= 2 GPUs in the group"
+        if world_size < 2:
+            return r"needs a group of >= 2 ranks"
+        return None if _nvshmem_available() else r"NVSHMEM is not available"
     if backend == "grouped_mm" and dtype != torch.bfloat16:
-        return "torch._grouped_mm on CUDA runs bf16 only"
+        return r"bf16 only"
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class RankFailure:
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+
+def _breaks_the_group(failure: RankFailure) -> bool:
+    return failure.type_name.startswith("Dist") or "timed out" in failure.message.lower()
 
 
 class PoolBroken(RuntimeError):
@@ -115,14 +120,14 @@ class RankPool:
 
     def _collect(self, task_id: object, timeout_s: float) -> list[Any]:
         results: dict[int, Any] = {}
-        remaining = timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(results) < self.world_size:
+            remaining = deadline - time.monotonic()
             try:
-                got_id, rank, payload = self._outbox.get(timeout=min(1.0, remaining))
+                got_id, rank, payload = self._outbox.get(timeout=max(0.01, min(1.0, remaining)))
             except queue.Empty:
-                remaining -= 1.0
                 dead = [p for p in self._processes if not p.is_alive()]
-                if remaining <= 0 or dead:
+                if time.monotonic() >= deadline or dead:
                     self.close()
                     reason = "a rank process died" if dead else f"no result in {timeout_s:.0f} s"
                     raise PoolBroken(f"{reason}; ranks done: {sorted(results)}") from None
@@ -141,7 +146,10 @@ class RankPool:
         for inbox in self._inboxes:
             inbox.put((self._task_id, fn, args, kwargs))
         payloads = self._collect(self._task_id, timeout_s)
-        return [value for _, value in payloads]
+        results = [value for _, value in payloads]
+        if any(isinstance(r, RankFailure) and _breaks_the_group(r) for r in results):
+            self.close()  # a timed-out collective can leave the group out of step
+        return results
 
     def run_ok(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Like ``run`` but raises if any rank failed, with every rank's traceback."""

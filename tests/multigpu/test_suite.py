@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -40,20 +41,21 @@ def case_id(spec: CaseSpec) -> str:
 
 
 def run_checked(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
-    """Run a layer case on every rank; skip (with the reason) only for an expected refusal."""
+    """Run a layer case on every rank; skip (with the reason) only for a refusal this machine
+    predicts, with the message it predicts (tests/multigpu/expectations.py)."""
     results = pool.run(cases.run_layer_case, spec, faults)
     failures = [r for r in results if isinstance(r, RankFailure)]
     if failures:
         refused = [f for f in failures if f.type_name == "BackendUnavailableError"]
         if len(refused) == len(results):
             device_type = "cuda" if pool.backend == "nccl" else "cpu"
-            reasons = [
-                expected_refusal(name, device_type, spec.dtype)
+            patterns = [
+                expected_refusal(name, device_type, spec.dtype, pool.world_size)
                 for name in (spec.dispatcher, spec.experts)
             ]
-            expected = [r for r in reasons if r]
-            if expected:
-                pytest.skip(f"{'; '.join(expected)} (refusal: {refused[0].message})")
+            message = refused[0].message
+            if any(p and re.search(p, message) for p in patterns):
+                pytest.skip(f"expected refusal: {message}")
         raise AssertionError("\n".join(f"{f}\n{f.traceback}" for f in failures))
     return results
 
@@ -79,36 +81,25 @@ def test_fp32(pool_factory, experts: str, layout: str, mode: str) -> None:
     assert_all_pass(run_checked(pool_factory(2), spec))
 
 
-EDGE_CASES = {
-    "no_tokens_on_rank0": dict(tokens=(0, 9)),
-    "no_tokens_anywhere": dict(tokens=(0, 0)),
-    "one_token": dict(tokens=(1, 1)),
-    "odd_tokens": dict(tokens=(7, 3)),
-    "all_to_one_expert": dict(routing="one_expert"),
-    "all_slots_unused_on_one_rank": dict(routing="all_unused"),
-    "k_equals_1": dict(top_k=1),
-    "k_below_config_top_k": dict(top_k=4, k=2),
-    "experts_equal_world": dict(num_experts=2, top_k=2),
-    "exact_chunked_past_cap": dict(cap=4, tokens=(11, 2)),
-}
-
-
-EXACT_ONLY_EDGES = {"exact_chunked_past_cap"}  # capacity mode rejects T > cap (test_bad_input)
-
-
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
-@pytest.mark.parametrize(
-    ("edge", "mode"),
-    [
-        (edge, mode)
-        for edge in EDGE_CASES
-        for mode in ("exact", "capacity")
-        if mode == "exact" or edge not in EXACT_ONLY_EDGES
-    ],
-)
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
 def test_edge_cases(pool_factory, edge: str, mode: str, layout: str, experts: str) -> None:
-    spec = CaseSpec(experts=experts, layout=layout, mode=mode, **EDGE_CASES[edge])
+    spec = CaseSpec(experts=experts, layout=layout, mode=mode, **cases.EDGE_CASES[edge])
+    assert_all_pass(run_checked(pool_factory(2), spec))
+
+
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_idle_rank_may_pass_another_k(pool_factory, layout: str) -> None:
+    spec = CaseSpec(experts="grouped_mm", layout=layout, **cases.IDLE_RANK_OTHER_K)
+    assert_all_pass(run_checked(pool_factory(2), spec))
+
+
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_exact_mode_chunks_past_the_cap(pool_factory, layout: str) -> None:
+    """T > cap in exact mode: rank 0 needs 3 chunks, rank 1 keeps sending empty slices."""
+    spec = CaseSpec(experts="grouped_mm", layout=layout, **cases.CHUNKED_PAST_CAP)
     assert_all_pass(run_checked(pool_factory(2), spec))
 
 
@@ -211,11 +202,18 @@ def test_bad_input_on_one_rank_fails_every_rank(pool_factory, world_size, mode, 
     pool = pool_factory(world_size)
     results = pool.run_ok(cases.timed_bad_input, spec, bad_rank, fault, timeout_s=60)
     argument = {"id_out_of_range": "topk_ids", "wrong_hidden": "x", "too_many_tokens": "x"}[fault]
+    # capacity mode on CUDA checks id values on the device only: the bad rank's check() raises,
+    # peers are not told (DESIGN.md "Validation and failure"); shape errors still reach them
+    peers_told = not (mode == "capacity" and pool.backend == "nccl" and fault == "id_out_of_range")
     for rank, (type_name, message, seconds) in enumerate(results):
         assert seconds < 30, f"rank {rank} took {seconds:.1f} s"
         if rank == bad_rank:
             assert type_name == "EPInputError" and message.startswith(f"{argument}:"), message
-        else:
+        elif peers_told:
             assert type_name == "RemoteRankError", (type_name, message)
-            assert f"rank {bad_rank} failed" in message and argument in message, message
+            assert f"rank {bad_rank} failed" in message, message
+            if pool.backend == "gloo" or mode == "exact":  # the message travels with the status
+                assert f"{argument}: expected" in message, message
+        else:
+            assert type_name == "none", (type_name, message)
     assert_all_pass(run_checked(pool, spec))  # the group is still healthy
