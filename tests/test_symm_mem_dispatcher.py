@@ -28,7 +28,7 @@ from ep_runtime.dispatch.torch_symm_mem import (
 )
 from ep_runtime.types import DispatchMode, EPInputError, TopkLayout
 from tests.conftest import EXPECTED_SKIPS_WITH_CUDA
-from tests.multigpu import cases
+from tests.multigpu import cases, checks
 from tests.multigpu.cases import CaseSpec
 from tests.multigpu.conftest import get_pool
 from tests.symm_mem_imitation import (
@@ -262,8 +262,7 @@ def imitation_pool():
 def run_cases(pool, spec: CaseSpec):
     results = pool.run_ok(cases.run_layer_case, spec)
     assert {r.dispatcher for r in results} == {IMITATION}, "another dispatcher ran"
-    bad = [f"rank {r.rank}: {r.comparison.describe()}" for r in results if not r.comparison.passed]
-    assert not bad, "\n".join(bad)
+    checks.assert_all_pass(results)
     return results
 
 
@@ -340,30 +339,13 @@ def test_equals_torch_a2a_on_the_same_inputs(imitation_pool, world_size, mode, l
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
+    pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    pool = imitation_pool(2)
-    clean = run_cases(pool, spec)
-    poisoned = run_cases(pool, cases.with_spec(spec, poison=True))
-    for c, p in zip(clean, poisoned, strict=True):
-        assert torch.isfinite(p.output).all()
-        assert torch.equal(c.output, p.output), f"rank {c.rank}: poison changed the output"
+    checks.assert_poison_matches_clean(lambda s: run_cases(pool, s), spec)
 
 
-@pytest.mark.parametrize(
-    ("fault", "mode"),
-    [
-        ("id_out_of_range", "exact"),
-        ("id_out_of_range", "capacity"),
-        ("wrong_hidden", "exact"),
-        ("too_many_tokens", "capacity"),
-    ],
-)
+@pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
 def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", mode=mode, tokens=(5, 5))
     pool = imitation_pool(2)
-    results = pool.run_ok(cases.timed_bad_input, spec, 1, fault, timeout_s=60)
-    argument = {"id_out_of_range": "topk_ids", "wrong_hidden": "x", "too_many_tokens": "x"}[fault]
-    assert results[1][0] == "EPInputError" and results[1][1].startswith(f"{argument}:"), results
-    assert results[0][0] == "RemoteRankError" and "rank 1 failed" in results[0][1], results
-    assert all(seconds < 30 for _, _, seconds in results)
-    run_cases(pool, spec)  # the group is still healthy
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
+    checks.assert_bad_input_fails_every_rank(pool, lambda s: run_cases(pool, s), spec, fault, mode)
