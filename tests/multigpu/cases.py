@@ -268,20 +268,27 @@ def check_round_trip(spec: CaseSpec) -> int:
     return x.size(0)
 
 
-def check_dispatch_bitwise(spec: CaseSpec) -> int:
-    """What arrives equals, bit for bit, what was sent: rows, global ids (-1 where not served
-    here) and weights. STANDARD order: (source rank, token); EXPANDED: (expert, source, token)."""
+def dispatch_dyadic_inputs(spec: CaseSpec):
+    """Every rank's ``dyadic_inputs`` (as the oracle), this rank's dispatched, and the range
+    ``[low, high)`` of experts this rank serves."""
     rank, world = dist.get_rank(), dist.get_world_size()
     layer = build_layer(spec)
-    dev = device()
     inputs = [dyadic_inputs(spec, source) for source in range(world)]
-    x, ids, weights = (t.to(dev) for t in inputs[rank])
+    x, ids, weights = (t.to(device()) for t in inputs[rank])
     try:
         dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
     finally:
         layer.close()
     num_local = spec.num_experts // world
-    low, high = rank * num_local, (rank + 1) * num_local
+    return inputs, dispatched, (rank * num_local, (rank + 1) * num_local)
+
+
+def check_dispatch_bitwise(spec: CaseSpec) -> int:
+    """What arrives equals, bit for bit, what was sent: rows, global ids (-1 where not served
+    here) and weights. STANDARD order: (source rank, token); EXPANDED: (expert, source, token)."""
+    inputs, dispatched, (low, high) = dispatch_dyadic_inputs(spec)
+    ids = inputs[dist.get_rank()][1]
+    num_local = high - low
     expected_rows, expected_ids, expected_weights = [], [], []
     for source, (src_x, src_ids, src_w) in enumerate(inputs):
         for token in range(src_x.size(0)):

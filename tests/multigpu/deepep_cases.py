@@ -5,7 +5,6 @@ the real ``deep_ep`` (GPU). DeepEP promises no row order and pads EXPANDED group
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tests.multigpu import cases
 from tests.multigpu.cases import CaseSpec
@@ -27,17 +26,8 @@ def _row_keys(
 def check_dispatch_bitwise_any_order(spec: CaseSpec) -> int:
     """Rows, global int32 ids (-1 where not served here) and weights arrive exactly, in any
     order; every other row is padding (all ids -1). Returns the number of valid rows."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layer = cases.build_layer(spec)
-    dev = cases.device()
-    inputs = [cases.dyadic_inputs(spec, source) for source in range(world)]
-    x, ids, weights = (t.to(dev) for t in inputs[rank])
-    try:
-        dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
-    finally:
-        layer.close()
-    num_local = spec.num_experts // world
-    low, high = rank * num_local, (rank + 1) * num_local
+    inputs, dispatched, (low, high) = cases.dispatch_dyadic_inputs(spec)
+    num_local = high - low
     rows, row_ids, row_weights = [], [], []
     for src_x, src_ids, src_w in inputs:
         for token in range(src_x.size(0)):
@@ -53,7 +43,8 @@ def check_dispatch_bitwise_any_order(spec: CaseSpec) -> int:
                     row_weights.append(src_w[token, slot : slot + 1])
     got_ids = dispatched.topk_ids.cpu()
     assert got_ids.dtype == torch.int32, got_ids.dtype
-    assert got_ids.size(1) == (ids.size(1) if spec.layout == "standard" else 1)
+    top_k = inputs[0][1].size(1)
+    assert got_ids.size(1) == (top_k if spec.layout == "standard" else 1)
     valid = (got_ids >= 0).any(1)
     assert int(valid.sum()) == len(rows), (int(valid.sum()), len(rows))
     if rows:
