@@ -86,7 +86,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.process.poll() is None:
             tree = _descendants(self.process.pid)
-            self.seen |= tree
+            for pid, cmd in tree.items():  # an exiting process (zombie) shows an empty cmdline:
+                if cmd.strip() or pid not in self.seen:  # keep the command it ran under
+                    self.seen[pid] = cmd
             if predicate(tree):
                 return True
             time.sleep(0.1)
