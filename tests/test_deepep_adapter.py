@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -59,13 +60,6 @@ def imitation_pool():
     return get
 
 
-def run_cases(pool, spec: CaseSpec):
-    results = pool.run_ok(cases.run_layer_case, spec)
-    assert {r.dispatcher for r in results} == {IMITATION}, "another dispatcher ran"
-    checks.assert_all_pass(results)
-    return results
-
-
 # ------------------------------------------------------------------ the layer, multi-rank
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
@@ -76,7 +70,7 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
     spec = CaseSpec(
         dispatcher=IMITATION, experts=experts, layout=layout, mode=mode, activation=activation
     )
-    run_cases(imitation_pool(world_size), spec)
+    checks.run_layer_cases(imitation_pool(world_size), spec)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -84,14 +78,14 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 @pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    run_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
+    checks.run_layer_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
     spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
-    run_cases(imitation_pool(2), spec)
+    checks.run_layer_cases(imitation_pool(2), spec)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -116,14 +110,15 @@ def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
 def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
     pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.assert_poison_matches_clean(lambda s: run_cases(pool, s), spec)
+    checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
 
 
 @pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
 def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
     pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
-    checks.assert_bad_input_fails_every_rank(pool, lambda s: run_cases(pool, s), spec, fault, mode)
+    run = partial(checks.run_layer_cases, pool)
+    checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)
 
 
 # ------------------------------------------------------------------ the adapter, one process

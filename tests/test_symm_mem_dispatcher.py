@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -259,20 +260,13 @@ def imitation_pool():
     return get
 
 
-def run_cases(pool, spec: CaseSpec):
-    results = pool.run_ok(cases.run_layer_case, spec)
-    assert {r.dispatcher for r in results} == {IMITATION}, "another dispatcher ran"
-    checks.assert_all_pass(results)
-    return results
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts):
     spec = CaseSpec(dispatcher=IMITATION, experts=experts, layout=layout, mode=mode)
-    run_cases(imitation_pool(world_size), spec)
+    checks.run_layer_cases(imitation_pool(world_size), spec)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -280,13 +274,13 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 @pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    run_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
+    checks.run_layer_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
-    run_cases(imitation_pool(2), spec)
+    checks.run_layer_cases(imitation_pool(2), spec)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -341,11 +335,12 @@ def test_equals_torch_a2a_on_the_same_inputs(imitation_pool, world_size, mode, l
 def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
     pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.assert_poison_matches_clean(lambda s: run_cases(pool, s), spec)
+    checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
 
 
 @pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
 def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
     pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
-    checks.assert_bad_input_fails_every_rank(pool, lambda s: run_cases(pool, s), spec, fault, mode)
+    run = partial(checks.run_layer_cases, pool)
+    checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)

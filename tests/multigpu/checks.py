@@ -27,6 +27,15 @@ def assert_all_pass(results: list[CaseResult]) -> None:
     assert not bad, "\n".join(bad)
 
 
+def run_layer_cases(pool, spec: CaseSpec) -> list[CaseResult]:
+    """A layer case on every rank: the named dispatcher must be the one that ran, and every rank
+    must match ``reference_moe``."""
+    results = pool.run_ok(cases.run_layer_case, spec)
+    assert {r.dispatcher for r in results} == {spec.dispatcher}, "another dispatcher ran"
+    assert_all_pass(results)
+    return results
+
+
 def assert_poison_matches_clean(run: RunCase, spec: CaseSpec) -> None:
     """NaN in padding rows, -1-slot weights and preallocated outputs must not leak: the poisoned
     run is finite and bitwise equal to the clean one."""
