@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import uuid
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,34 +20,74 @@ from ep_runtime.dispatch.base import (
     DISPATCHERS,
     Dispatcher,
     DispatchSetup,
+    LayerIdentity,
+    PeerSetup,
     acquire_dispatcher,
     release_dispatcher,
 )
+from ep_runtime.dispatch.peers import PeerIdentity
+from ep_runtime.dispatch.protocol import fingerprint_of
 from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup, check_expert_weights
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.types import (
     BackendUnavailableError,
     ClosedError,
+    Dispatched,
     DispatchMode,
     EPInputError,
     TopkLayout,
 )
 from ep_runtime.validation import check_forward_inputs
 
+T = TypeVar("T")
+PhaseTimer = Callable[[str, Callable[[], T]], T]  # (phase name, the phase's work) -> its result
+PHASES = ("dispatch", "experts", "combine")
+
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """What "auto" picked and why every other candidate was refused."""
+    """What was picked, what else could have run (and why it lost), and every refusal."""
 
     dispatcher: str
     experts: str
     layout: TopkLayout
     refused: dict[str, str] = field(default_factory=dict)  # "kind:name" -> reason
+    passed_over: dict[str, str] = field(default_factory=dict)  # "kind:name" -> why not chosen
 
     def describe(self) -> str:
         lines = [f"dispatcher={self.dispatcher} experts={self.experts} layout={self.layout.value}"]
+        lines += [f"  passed over {name}: {reason}" for name, reason in self.passed_over.items()]
         lines += [f"  refused {name}: {reason}" for name, reason in self.refused.items()]
         return "\n".join(lines)
+
+
+def _layouts_to_try(experts_cls: type[Experts], layout: TopkLayout | None) -> list[TopkLayout]:
+    if layout is not None:
+        return [layout]
+    preferred = experts_cls.capabilities.preferred_layout
+    return [preferred, *(x for x in TopkLayout if x != preferred)]
+
+
+def _fit(
+    experts_cls: type[Experts],
+    dispatcher: str,
+    layout: TopkLayout | None,
+    dispatch_setup: DispatchSetup,
+    experts_setup: ExpertsSetup,
+) -> tuple[type[Dispatcher], TopkLayout] | str:
+    """The first (dispatcher, layout) that ``experts_cls`` runs with, or why there is none."""
+    reasons = []
+    for candidate_layout in _layouts_to_try(experts_cls, layout):
+        reason = experts_cls.refusal(experts_setup, candidate_layout)
+        if reason is not None:
+            reasons.append(f"layout {candidate_layout.value}: {reason}")
+            continue
+        for dispatcher_cls in DISPATCHERS.candidates(dispatcher):
+            why = dispatcher_cls.refusal(dispatch_setup, candidate_layout)
+            if why is None:
+                return dispatcher_cls, candidate_layout
+            reasons.append(f"{dispatcher_cls.name} ({candidate_layout.value}): {why}")
+    return "no dispatcher fits: " + "; ".join(reasons)
 
 
 def choose_backends(
@@ -53,74 +97,119 @@ def choose_backends(
     dispatch_setup: DispatchSetup,
     experts_setup: ExpertsSetup,
 ) -> tuple[type[Dispatcher], type[Experts], BackendChoice]:
-    """Pick (dispatcher, experts, layout). Layout "auto": the experts' preferred one if a
-    dispatcher supports it, else another both support."""
+    """Pick (dispatcher, experts, layout): the highest-priority experts backend that runs here
+    with some dispatcher, in its preferred layout if a dispatcher supports it. Every candidate
+    gets a line in the choice: why it was refused, or why it lost although it could run."""
     refused: dict[str, str] = {}
+    runnable: list[tuple[type[Experts], type[Dispatcher], TopkLayout]] = []
     for experts_cls in EXPERTS.candidates(experts):
-        caps = experts_cls.capabilities
-        layouts = (
-            [layout]
-            if layout is not None
-            else [
-                caps.preferred_layout,
-                *(x for x in TopkLayout if x != caps.preferred_layout),
-            ]
+        reason = experts_cls.refusal(experts_setup, None)
+        if reason is None and experts == "auto":
+            reason = experts_cls.auto_refusal(experts_setup)
+        fit = (
+            reason
+            if reason is not None
+            else _fit(experts_cls, dispatcher, layout, dispatch_setup, experts_setup)
         )
-        for candidate_layout in layouts:
-            reason = experts_cls.refusal(experts_setup, candidate_layout)
-            if reason is not None:
-                refused.setdefault(f"experts:{experts_cls.name}", reason)
-                continue
-            dispatcher_refusals: dict[str, str] = {}
-            for dispatcher_cls in DISPATCHERS.candidates(dispatcher):
-                why = dispatcher_cls.refusal(dispatch_setup, candidate_layout)
-                if why is None:
-                    refused.pop(f"experts:{experts_cls.name}", None)
-                    for name, text in dispatcher_refusals.items():
-                        refused[f"dispatcher:{name}"] = text
-                    choice = BackendChoice(
-                        dispatcher_cls.name, experts_cls.name, candidate_layout, refused
-                    )
-                    return dispatcher_cls, experts_cls, choice
-                dispatcher_refusals[dispatcher_cls.name] = why
-            summary = "; ".join(f"{n}: {r}" for n, r in dispatcher_refusals.items())
-            refused[f"experts:{experts_cls.name}"] = (
-                f"no dispatcher for layout {candidate_layout.value} ({summary})"
+        if isinstance(fit, str):
+            refused[f"experts:{experts_cls.name}"] = fit
+        else:
+            runnable.append((experts_cls, *fit))
+    if not runnable:
+        raise BackendUnavailableError(
+            "experts+dispatcher", f"experts={experts}, dispatcher={dispatcher}", refused
+        )
+    experts_cls, dispatcher_cls, chosen_layout = runnable[0]
+    passed_over = {
+        f"experts:{other.name}": (
+            f"runs here too; {experts_cls.name} ranks higher for 'auto' "
+            f"(priority {experts_cls.auto_priority} > {other.auto_priority})"
+        )
+        for other, _, _ in runnable[1:]
+    }
+    for other in DISPATCHERS.candidates(dispatcher):
+        if other is dispatcher_cls:
+            continue
+        why = other.refusal(dispatch_setup, chosen_layout)
+        if why is not None:
+            refused[f"dispatcher:{other.name}"] = why
+        else:
+            passed_over[f"dispatcher:{other.name}"] = (
+                f"runs here too; {dispatcher_cls.name} ranks higher for 'auto' "
+                f"(priority {dispatcher_cls.auto_priority} > {other.auto_priority})"
             )
-    raise BackendUnavailableError(
-        "experts+dispatcher", f"experts={experts}, dispatcher={dispatcher}", refused
+    choice = BackendChoice(
+        dispatcher_cls.name, experts_cls.name, chosen_layout, refused, passed_over
+    )
+    return dispatcher_cls, experts_cls, choice
+
+
+@dataclass(frozen=True)
+class _BuildReport:
+    """What each rank contributes when a layer is built (one all-gather)."""
+
+    settings: dict[str, str]
+    choice: tuple[str, str, str] | str  # (dispatcher, experts, layout) or the refusal
+    identity: PeerIdentity
+    nonce: str
+
+
+def agree_on_build(
+    comm: Comm,
+    settings: dict[str, str],
+    chosen: tuple[type[Dispatcher], type[Experts], BackendChoice] | BackendUnavailableError,
+) -> PeerSetup:
+    """One all-gather: every rank must have the same settings and run the same backends (their
+    collectives must match), or all raise, naming the setting (or choice) and the ranks."""
+    summary = (
+        chosen
+        if isinstance(chosen, BackendUnavailableError)
+        else (chosen[2].dispatcher, chosen[2].experts, chosen[2].layout.value)
+    )
+    own = _BuildReport(
+        settings,
+        summary if isinstance(summary, tuple) else f"no backend: {summary}",
+        PeerIdentity.of_this_process(),
+        uuid.uuid4().hex,
+    )
+    reports: list[_BuildReport] = comm.all_gather_object(own)  # type: ignore[assignment]
+    for key in settings:
+        values = [report.settings.get(key) for report in reports]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {rank} = {value}" for rank, value in enumerate(values))
+            raise EPInputError(key, "the same value on every rank", per_rank)
+    choices = [report.choice for report in reports]
+    if any(isinstance(c, tuple) for c in choices) and len(set(map(str, choices))) > 1:
+        per_rank = "\n".join(f"  rank {rank}: {c}" for rank, c in enumerate(choices))
+        raise BackendUnavailableError(
+            "experts+dispatcher",
+            f"experts={settings['experts']}, dispatcher={settings['dispatcher']}",
+            {"ranks disagree": f"every rank must run the same backends:\n{per_rank}"},
+        )
+    if isinstance(chosen, BackendUnavailableError):
+        raise chosen
+    return PeerSetup(
+        namespace=f"ep_runtime/{reports[0].nonce}",
+        identities=[report.identity for report in reports],
     )
 
 
-def agree_on_backends(
-    comm: Comm,
-    dispatcher: str,
-    experts: str,
-    layout: TopkLayout | None,
-    dispatch_setup: DispatchSetup,
-    experts_setup: ExpertsSetup,
-) -> tuple[type[Dispatcher], type[Experts], BackendChoice]:
-    """``choose_backends`` on every rank, then one all-gather so that all ranks run the same
-    pair (their collectives must match) or all raise, naming the ranks that differ."""
-    refusal: BackendUnavailableError | None = None
+def _resolve_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
     try:
-        chosen = choose_backends(dispatcher, experts, layout, dispatch_setup, experts_setup)
-        summary = (chosen[2].dispatcher, chosen[2].experts, chosen[2].layout.value)
-    except BackendUnavailableError as error:
-        refusal, summary = error, f"no backend: {error}"
-    if comm.world_size > 1:
-        summaries = comm.all_gather_object(summary)
-        chosen_somewhere = any(isinstance(s, tuple) for s in summaries)
-        if chosen_somewhere and len(set(map(str, summaries))) > 1:
-            per_rank = "\n".join(f"  rank {rank}: {s}" for rank, s in enumerate(summaries))
-            raise BackendUnavailableError(
-                "experts+dispatcher",
-                f"experts={experts}, dispatcher={dispatcher}",
-                {"ranks disagree": f"every rank must run the same backends:\n{per_rank}"},
-            )
-    if refusal is not None:
-        raise refusal
-    return chosen
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EPInputError("device", "a torch device such as 'cpu' or 'cuda:0'", device) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EPInputError(
+            "device",
+            f"a device this torch can use (torch {torch.__version__} has no usable CUDA)",
+            device,
+        )
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 class EPMoE(torch.nn.Module):
@@ -156,14 +245,15 @@ class EPMoE(torch.nn.Module):
         capacity = (
             config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
         )
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise EPInputError("max_tokens_per_rank", "a positive int", capacity)
         self.config = config
-        self.comm = Comm.create(group, None if device is None else torch.device(device))
+        self.comm = Comm.create(group, _resolve_device(device))
         self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
         self.dtype = config.resolve_dtype(self.comm.device)
         self.max_tokens_per_rank = capacity
         self.poison = poison
+        self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
         dispatch_setup = DispatchSetup(
             comm=self.comm,
             num_experts=config.num_experts,
@@ -174,33 +264,44 @@ class EPMoE(torch.nn.Module):
             mode=self.mode,
             poison=poison,
         )
+        self.checks_on_device = dispatch_setup.checks_on_device
         experts_setup = ExpertsSetup(
-            config,
-            self.placement,
-            self.comm.device,
-            self.dtype,
-            max_tokens_per_rank=capacity,
-            requested_by_name=experts != "auto",
+            config, self.placement, self.comm.device, self.dtype, max_tokens_per_rank=capacity
         )
-        dispatcher_cls, experts_cls, self.choice = agree_on_backends(
-            self.comm, dispatcher, experts, requested_layout, dispatch_setup, experts_setup
-        )
+        try:
+            chosen = choose_backends(
+                dispatcher, experts, requested_layout, dispatch_setup, experts_setup
+            )
+        except BackendUnavailableError as error:
+            chosen = error
+        settings = {
+            "num_experts": str(config.num_experts),
+            "top_k": str(config.top_k),
+            "hidden_size": str(config.hidden_size),
+            "intermediate_size": str(config.intermediate_size),
+            "activation": config.activation.value,
+            "dtype": str(self.dtype),
+            "mode": self.mode.value,
+            "max_tokens_per_rank": str(capacity),
+            "layout": "auto" if requested_layout is None else requested_layout.value,
+            "dispatcher": dispatcher,
+            "experts": experts,
+            "poison": str(poison),
+        }
+        peer_setup = agree_on_build(self.comm, settings, chosen)
+        assert not isinstance(chosen, BackendUnavailableError)
+        dispatcher_cls, experts_cls, self.choice = chosen
         self.layout = self.choice.layout
         self.experts = experts_cls(experts_setup)
-        self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup)
+        self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
+        self.identity = LayerIdentity(fingerprint_of(settings), self.dispatcher.register_layer())
         self._closed = False
         self._weights_loaded = False
-        # device-side count of out-of-range or repeated ids replaced by -1 (capacity mode on CUDA)
-        self._bad_id_count = torch.zeros((), dtype=torch.int64, device=self.comm.device)
+        self._warned_about_grad = False
 
     @property
     def device(self) -> torch.device:
         return self.comm.device
-
-    @property
-    def checks_values(self) -> bool:
-        """Id range/duplicate checks need the data on the host: exact mode, or CPU."""
-        return self.mode is DispatchMode.EXACT or self.device.type == "cpu"
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Global ``[E, …]`` weights are sliced to this rank's shard; local ``[L, …]`` taken as is.
@@ -217,7 +318,9 @@ class EPMoE(torch.nn.Module):
             )
         check_expert_weights(w13, w2, self.config, num_local)
         cast = {"device": self.device, "dtype": self.dtype}
-        self.experts.load_weights(w13.to(**cast).contiguous(), w2.to(**cast).contiguous())
+        self.experts.load_weights(
+            w13.detach().to(**cast).contiguous(), w2.detach().to(**cast).contiguous()
+        )
         self._weights_loaded = True
 
     def forward(
@@ -227,9 +330,37 @@ class EPMoE(torch.nn.Module):
         topk_weights: torch.Tensor,  # [T, K] float32 (bf16 accepted)
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[T, H]``: Σ_k w[t,k]·FFN_{ids[t,k]}(x[t]). Bad input on any rank fails every rank."""
+        """``[T, H]``: Σ_k w[t,k]·FFN_{ids[t,k]}(x[t]). A failure on any rank fails every rank."""
         self._check_open()
-        capacity_mode = self.mode is DispatchMode.CAPACITY
+        failure = self._input_error(x, topk_ids, topk_weights, out)
+        if failure is not None:  # every rank learns it in the first collective
+            self._forward_chunk(x, topk_ids, topk_weights, None, 1, failure)
+            raise failure
+        if out is None:
+            out = torch.empty_like(x)
+        if self.poison:
+            out.fill_(float("nan"))
+        num_tokens, cap = x.size(0), self.max_tokens_per_rank
+        if self.mode is DispatchMode.CAPACITY:
+            self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            return out
+        num_local_chunks = max(1, math.ceil(num_tokens / cap))
+        chunk, num_chunks = 0, 1
+        while chunk < num_chunks:
+            rows = slice(min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens))
+            num_chunks = self._forward_chunk(
+                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks, None
+            )
+            chunk += 1
+        return out
+
+    def _input_error(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> BaseException | None:
         try:
             if not self._weights_loaded:
                 raise RuntimeError("EPMoE.load_weights() must be called before forward()")
@@ -240,8 +371,8 @@ class EPMoE(torch.nn.Module):
                 config=self.config,
                 dtype=self.dtype,
                 device=self.device,
-                capacity=self.max_tokens_per_rank if capacity_mode else None,
-                check_values=self.checks_values,
+                capacity=self.max_tokens_per_rank if self.mode is DispatchMode.CAPACITY else None,
+                check_values=not self.checks_on_device,
             )
             if out is not None and (
                 out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
@@ -252,79 +383,91 @@ class EPMoE(torch.nn.Module):
                     f"shape {list(out.shape)}, dtype {out.dtype} on {out.device}",
                 )
         except Exception as error:
-            self.dispatcher.abort(error, self.layout)
-        topk_weights = topk_weights.float()
-        if not self.checks_values:
-            topk_ids = self._drop_invalid_ids(topk_ids)
-        num_tokens = x.size(0)
-        if out is None:
-            out = torch.empty_like(x)
-        if self.poison:
-            out.fill_(float("nan"))
-        if capacity_mode:
-            self._forward_chunk(x, topk_ids, topk_weights, out, num_local_chunks=1)
-            return out
-        cap = self.max_tokens_per_rank
-        num_local_chunks = max(1, math.ceil(num_tokens / cap))
-        chunk, num_chunks = 0, 1
-        while chunk < num_chunks:
-            rows = slice(min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens))
-            num_chunks = self._forward_chunk(
-                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks
+            return error
+        self._warn_if_grad(x=x, topk_weights=topk_weights)
+        return None
+
+    def _warn_if_grad(self, **tensors: torch.Tensor) -> None:
+        needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
+        if needing and not self._warned_about_grad and torch.is_grad_enabled():
+            self._warned_about_grad = True
+            warnings.warn(
+                f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
+                "gradient flows through this layer; run it under torch.inference_mode() or "
+                "torch.no_grad()",
+                stacklevel=4,
             )
-            chunk += 1
-        return out
 
     def _forward_chunk(
         self,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         num_local_chunks: int,
+        failure: BaseException | None,
     ) -> int:
-        dispatched = self.dispatcher.dispatch(
-            x, topk_ids, topk_weights, self.layout, num_local_chunks=num_local_chunks
+        """One dispatch → experts → combine round; returns the forward's chunk count. A failure
+        in the experts still takes part in the combine, carrying its status."""
+        dispatched, num_chunks = self._phase(
+            "dispatch",
+            lambda: self.dispatcher.dispatch(
+                x,
+                topk_ids,
+                topk_weights,
+                self.layout,
+                layer=self.identity,
+                num_local_chunks=num_local_chunks,
+                failure=failure,
+            ),
         )
-        expert_output = self.experts.forward(dispatched)
-        self.dispatcher.combine(expert_output, dispatched, out=out)
-        return dispatched.num_chunks
+        expert_output = None
+        if failure is None:
+            try:
+                expert_output = self._phase("experts", lambda: self._experts(dispatched))
+            except BaseException as error:  # the peers learn it through the combine
+                failure = error
+        self._phase(
+            "combine",
+            lambda: self.dispatcher.combine(expert_output, dispatched, out, failure=failure),
+        )
+        return num_chunks
 
-    def _drop_invalid_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Capacity mode on CUDA: out-of-range ids and repeats within a row become -1 and are
-        counted on the device (no sync). Repeats must go: buffers are sized for ≤ min(K, L)
-        served slots per row."""
-        out_of_range = (topk_ids < -1) | (topk_ids >= self.config.num_experts)
-        ids = topk_ids.masked_fill(out_of_range, -1)
-        ordered, order = ids.sort(dim=1, stable=True)
-        repeat_sorted = torch.zeros_like(out_of_range)
-        repeat_sorted[:, 1:] = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        repeated = torch.zeros_like(out_of_range).scatter_(1, order, repeat_sorted)
-        self._bad_id_count += out_of_range.sum() + repeated.sum()
-        return ids.masked_fill(repeated, -1)
+    def _experts(self, dispatched: Dispatched) -> torch.Tensor:
+        return self.experts.forward(dispatched)
+
+    def _phase(self, name: str, work: Callable[[], T]) -> T:
+        with torch.no_grad():
+            if self.phase_timer is None:
+                return work()
+            return self.phase_timer(name, work)
 
     def check(self) -> None:
-        """Raise errors recorded on the device since the last check (one host sync)."""
+        """Raise failures recorded on the device since the last check (capacity mode on CUDA:
+        ids this rank dropped, and a peer's failure). One host sync."""
         self._check_open()
-        bad = int(self._bad_id_count)
-        if bad:
-            self._bad_id_count.zero_()
+        recorded = self.dispatcher.take_recorded()
+        if recorded.bad_ids:
             raise EPInputError(
                 "topk_ids",
                 f"distinct values in [0, {self.config.num_experts}) or -1 per row",
-                f"{bad} out-of-range or repeated ids (replaced by -1)",
+                f"{recorded.bad_ids} out-of-range or repeated ids (replaced by -1)",
             )
-        self.dispatcher.check()
+        recorded.raise_peer_failure()
 
     def close(self) -> None:
-        """Release the shared dispatcher (its buffers go with the last user)."""
+        """Release the shared dispatcher (its buffers go with the last user); peers waiting in
+        this layer's forward are told."""
         if not self._closed:
             self._closed = True
+            self.dispatcher.release_layer(self.identity.index)
             release_dispatcher(self.dispatcher)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("EPMoE used after close()")
+            raise ClosedError(
+                f"EPMoE (rank {self.comm.rank} of {self.comm.world_size}) used after close()"
+            )
 
     def extra_repr(self) -> str:
         c = self.config

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ep_runtime.types import EPInputError
 
 
@@ -34,5 +36,9 @@ class ExpertPlacement:
     def local_expert_offset(self) -> int:
         return self.rank * self.num_local_experts
 
-    def owner(self, expert_id: int) -> int:
-        return expert_id // self.num_local_experts
+    def local_index(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``[R, K']`` int64 local index in ``[0, L)`` for slots served here, ``L`` for the rest
+        (-1 and other ranks' ids)."""
+        local = topk_ids.to(torch.int64) - self.local_expert_offset
+        num_local = self.num_local_experts
+        return torch.where((local >= 0) & (local < num_local), local, num_local)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import importlib
+import pkgutil
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from ep_runtime.types import BackendUnavailableError
@@ -11,7 +13,7 @@ T = TypeVar("T", bound=type)
 
 
 class Registry(Generic[T]):
-    """Backends register themselves by name; ``select`` picks one or explains every refusal."""
+    """Backends register themselves by name; ``candidates`` lists the ones to try."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -43,12 +45,9 @@ class Registry(Generic[T]):
             return sorted(self._classes.values(), key=lambda c: -c.auto_priority)  # type: ignore[attr-defined]
         return [self[requested]]
 
-    def select(self, requested: str, refusal: Callable[[T], str | None]) -> T:
-        """First candidate that ``refusal`` accepts (returns None for); else raise with reasons."""
-        refusals: dict[str, str] = {}
-        for cls in self.candidates(requested):
-            reason = refusal(cls)
-            if reason is None:
-                return cls
-            refusals[cls.name] = reason  # type: ignore[attr-defined]
-        raise BackendUnavailableError(self.kind, requested, refusals)
+
+def import_package_modules(package_name: str, package_path: list[str]) -> None:
+    """Import every module of a package, so each backend file registers itself: adding a
+    backend is adding one file."""
+    for module in pkgutil.iter_modules(package_path):
+        importlib.import_module(f"{package_name}.{module.name}")

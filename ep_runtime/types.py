@@ -38,24 +38,20 @@ class Activation(str, enum.Enum):
         return self is Activation.SILU
 
 
-@dataclass
+@dataclass(frozen=True)
 class Dispatched:
-    """What a dispatcher hands to the experts (see DESIGN.md, "Dispatched").
+    """What a dispatcher hands to the experts: only what some experts backend reads.
 
-    A row is padding iff all its ids are -1; padding may hold anything (NaN included).
+    A row is padding iff all its ids are -1; padding may hold anything (NaN included), and the
+    experts' output rows for padding are never read.
     """
 
-    hidden_states: torch.Tensor  # [R, H] received rows, compute dtype
+    hidden_states: torch.Tensor  # [R, H] received rows, compute dtype (may be a strided view)
     topk_ids: torch.Tensor  # [R, K'] int32 global ids, -1 = slot not served here
-    topk_weights: torch.Tensor  # [R, K'] float32
+    topk_weights: torch.Tensor  # [R, K'] float32 (read only where the id is not -1)
     layout: TopkLayout
     expert_offsets: torch.Tensor | None  # [L + 1] int32 group starts (EXPANDED), else None
-    expert_num_tokens: torch.Tensor  # [L] int32 valid (row, slot) pairs per local expert
-    expert_num_tokens_cpu: list[int] | None  # same as a host list, exact mode only
-    num_valid_rows: int | torch.Tensor  # upper bound on rows holding data (0-d tensor: capacity)
-    handle: Any  # backend-private, consumed by combine
-    hidden_states_scale: torch.Tensor | None = None  # fp8 dispatch only
-    num_chunks: int = 1  # exact mode: rounds this forward takes (max over ranks)
+    handle: Any = None  # backend-private, consumed by combine
 
     @property
     def top_k(self) -> int:
@@ -95,3 +91,20 @@ class RemoteRankError(RuntimeError):
 
 class ClosedError(RuntimeError):
     """A layer or dispatcher was used after ``close()``."""
+
+
+class ForwardMismatchError(RuntimeError):
+    """Ranks are not in the same forward: one skipped or repeated a forward, or ranks call
+    layers in different orders. Raised on every rank, naming the ranks that differ."""
+
+    def __init__(self, differing: dict[int, str], here: str) -> None:
+        self.differing = dict(differing)
+        self.here = here
+        ranks = "; ".join(f"rank {rank} {what}" for rank, what in sorted(differing.items()))
+        super().__init__(
+            f"forwards do not match across ranks: {ranks}, while {here}. A rank skipped or "
+            "repeated a forward, or the ranks call layers in different orders"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.differing, self.here))

@@ -58,24 +58,14 @@ def test_standard_rows_virtual_rank(name, activation, dtype) -> None:
     )  # int64 on purpose: the backend casts at its boundary
     weights = 0.25 + torch.rand(6, 3, generator=g)
     weights[ids == -1] = float("nan")
-    x[3] = float("nan")  # padding row: must come out exactly zero without being read
-    dispatched = Dispatched(
-        x,
-        ids,
-        weights,
-        TopkLayout.STANDARD,
-        None,
-        torch.tensor([3, 3], dtype=torch.int32),
-        [3, 3],
-        6,
-        None,
-    )
+    x[3] = float("nan")  # padding row: nothing reads it, and it must not leak into others
+    dispatched = Dispatched(x, ids, weights, TopkLayout.STANDARD, None)
     out = backend.forward(dispatched)
     assert out.shape == (6, 32) and out.dtype == dtype
-    assert torch.equal(out[3], torch.zeros(32, dtype=dtype)) and torch.equal(out[2], out[3])
+    served = torch.tensor([True, True, False, False, True, True])  # rows 2, 3: nothing local
     clean_x = torch.where(torch.isnan(x), 0.0, x.float()).to(dtype)
     ref = oracle_local_only(clean_x, ids, weights, w13, w2, activation)
-    result = compare_per_token(out, ref, tolerance_for(dtype, 32))
+    result = compare_per_token(out[served], ref[served], tolerance_for(dtype, 32))
     assert result.passed, result.describe()
 
 
@@ -95,20 +85,9 @@ def test_expanded_aligned_groups_with_padding(name, activation) -> None:
     rows[padding] = float("nan")
     weights[padding] = float("nan")
     offsets = torch.tensor([0, 4, 8], dtype=torch.int32)
-    dispatched = Dispatched(
-        rows,
-        ids,
-        weights,
-        TopkLayout.EXPANDED,
-        offsets,
-        torch.tensor([3, 1], dtype=torch.int32),
-        [3, 1],
-        8,
-        None,
-    )
+    dispatched = Dispatched(rows, ids, weights, TopkLayout.EXPANDED, offsets)
     out = backend.forward(dispatched)
-    assert torch.equal(out[padding], torch.zeros(int(padding.sum()), 32, dtype=dtype))
-    valid = ~padding
+    valid = ~padding  # padding rows' results are never read: only the valid ones must be right
     ref = reference_moe(rows[valid], ids[valid].long(), weights[valid], w13, w2, activation)
     result = compare_per_token(out[valid], ref, tolerance_for(dtype, 32))
     assert result.passed, result.describe()

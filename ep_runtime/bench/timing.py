@@ -40,6 +40,23 @@ class PhaseClock:
         return result, time.perf_counter() - start
 
 
+class PhaseRecorder:
+    """A layer's ``phase_timer``: times each phase of a forward with ``clock`` (summed over the
+    rounds of a chunked forward), so what is timed is exactly what ``EPMoE.forward`` runs."""
+
+    def __init__(self, clock: PhaseClock) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def __call__(self, name: str, work: Callable[[], R]) -> R:
+        result, seconds = self.clock.time(work)
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        return result
+
+
 @dataclass(frozen=True)
 class PhaseStats:
     """Statistics over iterations of the per-iteration max over ranks, in seconds."""

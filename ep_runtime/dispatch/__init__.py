@@ -1,6 +1,10 @@
-"""All-to-all backends. Importing this package registers every backend in ``DISPATCHERS``."""
+"""All-to-all backends: one module per backend, each registering itself in ``DISPATCHERS``.
+Importing this package imports every module in it."""
 
-from ep_runtime.dispatch import deepep_v2, torch_a2a, torch_symm_mem  # noqa: F401
-from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher, DispatchSetup
+from ep_runtime.registry import import_package_modules
+
+import_package_modules(__name__, __path__)
+
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher, DispatchSetup  # noqa: E402
 
 __all__ = ["DISPATCHERS", "DispatchSetup", "Dispatcher"]

@@ -1,34 +1,42 @@
 """The dispatcher protocol: move token rows to the ranks owning their experts, and back.
 
-A dispatcher declares what it supports (``DispatcherCapabilities``) and why it cannot run here
-(``unavailable_reason``); the layer picks one through ``DISPATCHERS`` and never branches on names.
+A transport implements four steps: ``_plan`` (route this rank's tokens, build the header),
+``_send`` (the dispatch data; returns what the experts read), ``_return`` (the experts' results
+back, with this rank's status) and ``_finish`` (sum each token's results). ``dispatch`` and
+``combine`` wrap them in the forward protocol (``protocol.py``): header exchange, checks, failures
+carried to every rank, peers watched. They are final: a class that overrides them cannot
+register, so every transport runs the same failure path.
+
 One instance per (group, cap, H, top_k, dtype, mode) per process is shared by all layers.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, NoReturn, TypeVar
+from typing import Any, ClassVar, final
 
 import torch
 
 from ep_runtime.comm import Comm
+from ep_runtime.dispatch.peers import DISPATCHER_NOTICE, GroupUnusableError, PeerIdentity, Peers
+from ep_runtime.dispatch.protocol import ForwardProtocol, ForwardStatus, Outcome, Phase, Recorded
+from ep_runtime.kernels import HeaderFields
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.registry import Registry
 from ep_runtime.types import (
     ClosedError,
     Dispatched,
     DispatchMode,
-    EPInputError,
+    ForwardMismatchError,
     RemoteRankError,
     TopkLayout,
 )
 
-R = TypeVar("R")
+FINAL_METHODS = ("dispatch", "combine")
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class DispatchSetup:
     max_tokens_per_rank: int
     dtype: torch.dtype
     mode: DispatchMode
-    poison: bool = False  # debug: NaN in padding rows, preallocated outputs and -1-slot weights
+    poison: bool = False  # debug: NaN in padding rows and filler
 
     @property
     def placement(self) -> ExpertPlacement:
@@ -60,6 +68,11 @@ class DispatchSetup:
     @property
     def device(self) -> torch.device:
         return self.comm.device
+
+    @property
+    def checks_on_device(self) -> bool:
+        """Capacity mode on CUDA never syncs: headers are checked on the device."""
+        return self.mode is DispatchMode.CAPACITY and self.device.type == "cuda"
 
     def cache_key(self) -> tuple:
         group_key = id(self.comm.group) if self.comm.group is not None else None
@@ -76,104 +89,28 @@ class DispatchSetup:
         )
 
 
-class Pending(Generic[R]):
-    """A waitable result. ``wait()`` returns it; synchronous backends complete at once."""
+@dataclass(frozen=True)
+class PeerSetup:
+    """Agreed by all ranks when the first layer on a dispatcher is built."""
 
-    def __init__(self, finish: Callable[[], R]) -> None:
-        self._finish = finish
-        self._value: R | None = None
-        self._done = False
-
-    @staticmethod
-    def completed(value: R) -> Pending[R]:
-        return Pending(lambda: value)
-
-    def wait(self) -> R:
-        if not self._done:
-            self._value = self._finish()
-            self._done = True
-        return self._value  # type: ignore[return-value]
+    namespace: str  # the store keys of this dispatcher's notices
+    identities: list[PeerIdentity]
 
 
-class ForwardStatus(enum.IntEnum):
-    """Status a rank carries in a forward's first collective, so peers never wait on it."""
+@dataclass(frozen=True)
+class LayerIdentity:
+    """Which layer a forward belongs to, carried in every header."""
 
-    OK = 0
-    INPUT_ERROR = 1
-    INTERNAL_ERROR = 2
-
-    @staticmethod
-    def of(error: BaseException | None) -> ForwardStatus:
-        if error is None:
-            return ForwardStatus.OK
-        return (
-            ForwardStatus.INPUT_ERROR
-            if isinstance(error, ValueError)
-            else ForwardStatus.INTERNAL_ERROR
-        )
+    fingerprint: int  # of the layer's settings, agreed by all ranks at build
+    index: int  # the layer's number on its dispatcher (same on every rank)
 
 
-def raise_if_any_failed(comm: Comm, statuses: list[int], own_error: BaseException | None) -> None:
-    """Every rank calls this after a collective that carried each rank's ``ForwardStatus``.
+@dataclass(frozen=True)
+class ForwardHandle:
+    """The protocol's part of ``Dispatched.handle``; ``transport`` is the transport's."""
 
-    When any rank failed, all ranks gather the messages (one extra collective, error path only);
-    the failing rank raises its own error, the others a ``RemoteRankError`` naming it.
-    """
-    if not any(statuses):
-        return
-    message = None if own_error is None else f"{type(own_error).__name__}: {own_error}"
-    messages = comm.all_gather_object(message)
-    if own_error is not None:
-        raise own_error
-    failed = next(rank for rank, status in enumerate(statuses) if status)
-    reason = messages[failed] or ForwardStatus(statuses[failed]).name
-    raise RemoteRankError(failed, str(reason))
-
-
-STATUS, NUM_CHUNKS, TOP_K = 0, 1, 2  # header columns of every dispatcher's first collective
-
-
-class PeerStatus:
-    """Each rank's ``(status, num_local_chunks, K)`` header as seen by this rank.
-
-    Where host reads are free (exact mode, CPU) the headers are checked at once; capacity mode on
-    CUDA records them on the device without a sync, and ``check()`` raises later.
-    """
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-        self._recorded = torch.zeros(comm.world_size, dtype=torch.int32, device=comm.device)
-
-    def raise_on_host(
-        self, headers: list[list[int]], top_k: int, own_error: BaseException | None = None
-    ) -> int:
-        """Raise for a failed rank or a K that differs; returns the forward's chunk count.
-        K = 0 (a rank with no tokens, exact mode) agrees with any K."""
-        raise_if_any_failed(self.comm, [h[STATUS] for h in headers], own_error)
-        ks = [h[TOP_K] for h in headers]
-        if len({k for k in (*ks, top_k) if k}) > 1:
-            raise EPInputError(
-                "topk_ids", "the same K on every rank in one forward", f"K per rank {ks}"
-            )
-        return max(h[NUM_CHUNKS] for h in headers)
-
-    def record_on_device(self, headers: torch.Tensor, top_k: int) -> None:
-        """``headers [W, >= 3]`` on the device: keep the worst status per rank (a K that
-        differs counts as an input error), no host sync."""
-        status = torch.where(
-            headers[:, TOP_K] != top_k,
-            torch.full_like(headers[:, STATUS], int(ForwardStatus.INPUT_ERROR)),
-            headers[:, STATUS],
-        )
-        torch.maximum(self._recorded, status.to(torch.int32), out=self._recorded)
-
-    def check(self) -> None:
-        statuses = self._recorded.tolist()
-        if any(statuses):
-            self._recorded.zero_()
-            failed = next(rank for rank, status in enumerate(statuses) if status)
-            reason = f"{ForwardStatus(statuses[failed]).name} during a capacity-mode forward"
-            raise RemoteRankError(failed, reason)
+    layer: LayerIdentity
+    transport: Any
 
 
 class Dispatcher(abc.ABC):
@@ -186,18 +123,27 @@ class Dispatcher(abc.ABC):
     capabilities: ClassVar[DispatcherCapabilities]
     auto_priority: ClassVar[int] = 0
 
-    def __init__(self, setup: DispatchSetup) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = [name for name in FINAL_METHODS if name in cls.__dict__]
+        if overridden:
+            raise TypeError(
+                f"{cls.__name__} overrides {overridden}: transports implement _plan, _send, "
+                "_return and _finish; the forward protocol around them is the base class's"
+            )
+
+    def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
         self.setup = setup
         self.comm = setup.comm
         self.placement = setup.placement
-        self.peer_status = PeerStatus(setup.comm)
+        self.peers = Peers(setup.comm, peer_setup.namespace, peer_setup.identities)
+        self.protocol = ForwardProtocol(
+            self.peers, setup.device, checks_on_device=setup.checks_on_device
+        )
+        self._num_layers = 0
         self._closed = False
 
-    @property
-    def host_reads_free(self) -> bool:
-        """Reading device values costs nothing on CPU; on CUDA, capacity mode never syncs."""
-        return self.setup.mode is DispatchMode.EXACT or self.comm.device.type == "cpu"
-
+    # ----------------------------------------------------------------- selection
     @classmethod
     def unavailable_reason(cls, setup: DispatchSetup) -> str | None:
         """Why this backend cannot run for ``setup`` (packages, hardware), beyond capabilities."""
@@ -218,57 +164,171 @@ class Dispatcher(abc.ABC):
             return f"needs a group of >= {caps.min_world_size} ranks, got {setup.comm.world_size}"
         return cls.unavailable_reason(setup)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"dispatcher {self.name!r} used after close()")
-
-    @abc.abstractmethod
-    def dispatch_async(
+    # ----------------------------------------------------------------- the protocol
+    @final
+    def dispatch(
         self,
         x: torch.Tensor,  # [T, H] compute dtype
         topk_ids: torch.Tensor,  # [T, K] int32/int64 global ids, -1 = unused
         topk_weights: torch.Tensor,  # [T, K] float32
         layout: TopkLayout,
         *,
+        layer: LayerIdentity,
         num_local_chunks: int = 1,
-    ) -> Pending[Dispatched]:
-        """Start a dispatch; the first collective carries this rank's status and chunk count."""
+        failure: BaseException | None = None,
+    ) -> tuple[Dispatched, int]:
+        """Send this rank's rows; returns what the experts read and the forward's chunk count.
 
-    def dispatch(
+        ``failure``: this rank failed before dispatch (bad input); it still takes part, with no
+        tokens, so its peers learn it at once (or, capacity mode on CUDA, at ``check()``)."""
+        self._check_open()
+        self.peers.check_usable()
+        if failure is not None:
+            if self.comm.world_size == 1:
+                raise failure
+            x, topk_ids, topk_weights = self._no_tokens()
+        top_k = topk_ids.size(1) if x.size(0) else 0
+        fields = self.protocol.dispatch_fields(
+            ForwardStatus.of(failure), layer.fingerprint, layer.index, top_k, num_local_chunks
+        )
+        self.peers.layer_in_flight = layer.index
+        with self._containing("dispatch"):
+            plan = self._plan(x, topk_ids, topk_weights, fields)
+            header_pair = plan.header_pair  # [2, W, HEADER_INTS]: sent, received
+            received = self.peers.all_to_all(header_pair[0], recv=header_pair[1])
+            outcome = self.protocol.check(header_pair, received, Phase.DISPATCH, failure, top_k)
+            dispatched = None
+            if outcome.error is None or self.setup.checks_on_device:
+                dispatched = self._send(plan, layout, outcome)
+        if not self.setup.checks_on_device:
+            outcome.raise_error()
+        assert dispatched is not None
+        handle = ForwardHandle(layer, dispatched.handle)
+        return _with_handle(dispatched, handle), outcome.num_chunks
+
+    @final
+    def combine(
+        self,
+        expert_output: torch.Tensor | None,  # [R, H] weighted results; None after a failure
+        dispatched: Dispatched,
+        out: torch.Tensor | None = None,  # [T, H]
+        *,
+        failure: BaseException | None = None,
+    ) -> torch.Tensor:
+        """Sum each token's results on its own rank. ``failure``: this rank failed after
+        dispatch (its experts raised); it returns zeros with that status, then raises."""
+        self._check_open()
+        self.peers.check_usable()
+        handle: ForwardHandle = dispatched.handle
+        status = ForwardStatus.of(failure)
+        header = self.protocol.combine_header(status, handle.layer.fingerprint, handle.layer.index)
+        with self._containing("combine"):
+            returned, statuses = self._return(
+                None if failure is not None else expert_output, dispatched, handle.transport, header
+            )
+            outcome = self.protocol.check(None, statuses, Phase.COMBINE, failure, 0)
+            result = None
+            if outcome.error is None or self.setup.checks_on_device:
+                result = self._finish(returned, handle.transport, out, outcome.failed)
+        outcome.raise_error()
+        assert result is not None
+        return result
+
+    @contextlib.contextmanager
+    def _containing(self, phase: str) -> Iterator[None]:
+        """An unexpected exception inside a phase leaves the peers in a collective this rank
+        will not reach: tell them (a notice they poll) and refuse later use."""
+        try:
+            yield
+        except (RemoteRankError, GroupUnusableError, ForwardMismatchError):
+            raise
+        except BaseException as error:
+            if self.comm.world_size > 1:
+                reason = f"failed inside {phase}: {type(error).__name__}: {error}"
+                self.peers.post(DISPATCHER_NOTICE, reason)
+                self.peers.mark_unusable(f"this rank {reason}")
+            raise
+
+    def _no_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        device, top_k = self.comm.device, self.setup.max_top_k
+        return (
+            torch.empty(0, self.setup.hidden_size, dtype=self.setup.dtype, device=device),
+            torch.empty(0, top_k, dtype=torch.int32, device=device),
+            torch.empty(0, top_k, dtype=torch.float32, device=device),
+        )
+
+    # ----------------------------------------------------------------- the transport
+    @abc.abstractmethod
+    def _plan(
         self,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        layout: TopkLayout,
-        *,
-        num_local_chunks: int = 1,
-    ) -> Dispatched:
-        return self.dispatch_async(
-            x, topk_ids, topk_weights, layout, num_local_chunks=num_local_chunks
-        ).wait()
+        fields: HeaderFields,
+    ) -> Any:
+        """Local work before the header exchange; the result has ``header_pair``:
+        ``[2, W, HEADER_INTS]`` int32, row 0 the header sent to each rank (built from
+        ``fields``), row 1 where the received headers land."""
 
     @abc.abstractmethod
-    def combine_async(
-        self, expert_output: torch.Tensor, dispatched: Dispatched, out: torch.Tensor | None = None
-    ) -> Pending[torch.Tensor]:
-        """Start a combine of ``expert_output`` (``[R, H]``, weighted); result ``[T, H]``."""
+    def _send(self, plan: Any, layout: TopkLayout, outcome: Outcome) -> Dispatched:
+        """The dispatch data; ``outcome`` holds the headers on the host where they were read."""
 
-    def combine(
-        self, expert_output: torch.Tensor, dispatched: Dispatched, out: torch.Tensor | None = None
+    @abc.abstractmethod
+    def _return(
+        self,
+        expert_output: torch.Tensor | None,  # None: send zeros (this rank failed)
+        dispatched: Dispatched,
+        handle: Any,
+        status_header: torch.Tensor,  # [HEADER_INTS] int32: this rank's status for every peer
+    ) -> tuple[Any, torch.Tensor]:
+        """Send the results back with ``status_header``; returns (state for ``_finish``,
+        ``[W, HEADER_INTS]`` int32 status headers received from every rank)."""
+
+    @abc.abstractmethod
+    def _finish(
+        self,
+        returned: Any,
+        handle: Any,
+        out: torch.Tensor | None,
+        failed: torch.Tensor | None,  # 0-d int32: nonzero → the forward failed (NaN output)
     ) -> torch.Tensor:
-        return self.combine_async(expert_output, dispatched, out).wait()
+        """``[T, H]``: each token's results summed in fp32, rounded once (into ``out``)."""
 
-    @abc.abstractmethod
-    def abort(self, error: BaseException, layout: TopkLayout) -> NoReturn:
-        """Take part in this forward's collectives carrying ``error``, so peers fail, then raise."""
+    # ----------------------------------------------------------------- life cycle
+    def register_layer(self) -> int:
+        """A new layer on this dispatcher: its index (the same on every rank)."""
+        index = self._num_layers
+        self._num_layers += 1
+        return index
 
-    def check(self) -> None:
-        """Raise errors recorded on the device without a host sync (capacity mode)."""
+    def release_layer(self, index: int) -> None:
+        """A layer closed: peers waiting in its forwards stop waiting."""
+        self.peers.post(f"layer{index}", f"closed layer {index} (EPMoE.close())")
+
+    def take_recorded(self) -> Recorded:
+        """Failures recorded on the device since the last call (one host read)."""
         self._check_open()
-        self.peer_status.check()
+        return self.protocol.take_recorded()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"dispatcher {self.name!r} used after close()")
 
     def close(self) -> None:
         self._closed = True
+        self.peers.close()
+
+
+def _with_handle(dispatched: Dispatched, handle: ForwardHandle) -> Dispatched:
+    return Dispatched(
+        hidden_states=dispatched.hidden_states,
+        topk_ids=dispatched.topk_ids,
+        topk_weights=dispatched.topk_weights,
+        layout=dispatched.layout,
+        expert_offsets=dispatched.expert_offsets,
+        handle=handle,
+    )
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("dispatcher")
@@ -289,13 +349,20 @@ class _SharedDispatchers:
 _SHARED = _SharedDispatchers()
 
 
-def acquire_dispatcher(cls: type[Dispatcher], setup: DispatchSetup) -> Dispatcher:
+def shared_dispatcher_exists(cls: type[Dispatcher], setup: DispatchSetup) -> bool:
+    with _SHARED.lock:
+        return (cls.name, *setup.cache_key()) in _SHARED.entries
+
+
+def acquire_dispatcher(
+    cls: type[Dispatcher], setup: DispatchSetup, peer_setup: PeerSetup
+) -> Dispatcher:
     """The process-wide instance of ``cls`` for ``setup`` (buffers are shared by all layers)."""
     key = (cls.name, *setup.cache_key())
     with _SHARED.lock:
         entry = _SHARED.entries.get(key)
         if entry is None:
-            entry = _SharedEntry(cls(setup))
+            entry = _SharedEntry(cls(setup, peer_setup))
             _SHARED.entries[key] = entry
         entry.users += 1
         return entry.dispatcher

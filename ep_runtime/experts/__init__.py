@@ -1,11 +1,10 @@
-"""Expert-compute backends. Importing this package registers every backend in ``EXPERTS``."""
+"""Expert-compute backends: one module per backend, each registering itself in ``EXPERTS``.
+Importing this package imports every module in it."""
 
-from ep_runtime.experts import (  # noqa: F401
-    flashinfer_cutlass,
-    flashinfer_trtllm,
-    grouped_mm,
-    reference,
-)
-from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup
+from ep_runtime.registry import import_package_modules
+
+import_package_modules(__name__, __path__)
+
+from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup  # noqa: E402
 
 __all__ = ["EXPERTS", "Experts", "ExpertsSetup"]

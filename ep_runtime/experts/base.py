@@ -37,7 +37,6 @@ class ExpertsSetup:
     device: torch.device
     dtype: torch.dtype
     max_tokens_per_rank: int | None = None  # the layer's cap; None = the config's
-    requested_by_name: bool = False  # named by the user, not picked by "auto"
 
     @property
     def token_cap(self) -> int:
@@ -90,6 +89,11 @@ class Experts(abc.ABC):
             return f"supports layouts {sorted(x.value for x in caps.layouts)}, not {layout.value}"
         return cls.unavailable_reason(setup)
 
+    @classmethod
+    def auto_refusal(cls, setup: ExpertsSetup) -> str | None:
+        """Why ``"auto"`` must not pick it although it can run (named explicitly, it runs)."""
+        return None
+
     @abc.abstractmethod
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Take this rank's shard, ``w13 [L, 2I or I, H]`` and ``w2 [L, H, I]`` in the compute
@@ -102,18 +106,6 @@ class Experts(abc.ABC):
     def workspace_bytes(self, max_rows: int) -> int:
         """Scratch memory the backend needs for ``max_rows`` dispatched rows (allocated once)."""
         return 0
-
-
-def local_expert_index(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """``[R, K']`` int64 local index in ``[0, L)`` for slots served here, ``L`` for the rest.
-
-    Ids are cast to a fixed width at the boundary; -1 and ids of other ranks map to ``L``.
-    """
-    ids = topk_ids.to(torch.int32).to(torch.int64)
-    local = ids - placement.local_expert_offset
-    num_local = placement.num_local_experts
-    served = (local >= 0) & (local < num_local)
-    return torch.where(served, local, torch.full_like(local, num_local))
 
 
 def check_expert_weights(

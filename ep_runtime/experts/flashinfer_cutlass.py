@@ -37,7 +37,7 @@ from ep_runtime.experts.flashinfer_common import (
     kernel_routing,
     pad_intermediate,
 )
-from ep_runtime.experts.self_check import ensure_self_check, self_check_failure
+from ep_runtime.experts.self_check import self_check_refusal
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 ALIGNMENT = 8  # bf16 elements in 16 bytes: hidden and intermediate sizes (TMA)
@@ -101,14 +101,21 @@ class FlashInferCutlassExperts(Experts):
         hidden = setup.config.hidden_size
         if hidden % ALIGNMENT:
             return f"hidden_size={hidden} is not a multiple of {ALIGNMENT} (16-byte TMA rows)"
-        reason = (
-            self_check_failure(cls.name, setup.device, Activation(setup.config.activation))
-            or flashinfer_missing_reason()
-        )
-        jit_setting = os.environ.get(ALLOW_JIT_ENV)
-        allow_jit = jit_setting == "1" or (jit_setting != "0" and setup.requested_by_name)
-        if reason or allow_jit:
-            return reason
+        reason = flashinfer_missing_reason()
+        if reason is None and os.environ.get(ALLOW_JIT_ENV) == "0":
+            reason = cls._module_missing_reason(setup)
+        return reason or self_check_refusal(cls, setup.device, Activation(setup.config.activation))
+
+    @classmethod
+    def auto_refusal(cls, setup: ExpertsSetup) -> str | None:
+        """ "auto" never starts the tens-of-minutes JIT build (named, or with the variable set
+        to 1, the backend builds it on first use)."""
+        if os.environ.get(ALLOW_JIT_ENV) == "1":
+            return None
+        return cls._module_missing_reason(setup)
+
+    @staticmethod
+    def _module_missing_reason(setup: ExpertsSetup) -> str | None:
         properties = torch.cuda.get_device_properties(setup.device)
         module = cutlass_module_name(cuda_arch(setup.device), properties.multi_processor_count)
         return cutlass_module_missing_reason(module)
@@ -126,7 +133,6 @@ class FlashInferCutlassExperts(Experts):
         self.activation_type = ActivationType.Swiglu if gated else ActivationType.Relu2
         self._workspace: torch.Tensor | None = None
         self._workspace_rows = 0
-        ensure_self_check(self)
 
     def workspace_bytes(self, max_rows: int) -> int:
         """FlashInfer's size for ``max_rows`` rows at the config's top_k: it grows with rows and
@@ -158,10 +164,9 @@ class FlashInferCutlassExperts(Experts):
             self._workspace_rows = rows
         return self._workspace
 
-    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden_states = dispatched.hidden_states.contiguous()  # [R, H]
-        if out is None:
-            out = torch.empty_like(hidden_states)  # the kernel writes every row
+        out = torch.empty_like(hidden_states)  # the kernel writes every row
         num_rows = hidden_states.size(0)
         if num_rows == 0:
             return out

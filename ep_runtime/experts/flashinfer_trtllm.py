@@ -34,7 +34,7 @@ from ep_runtime.experts.flashinfer_common import (
     kernel_routing,
     pad_intermediate,
 )
-from ep_runtime.experts.self_check import ensure_self_check, self_check_failure
+from ep_runtime.experts.self_check import self_check_refusal
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 INTERMEDIATE_ALIGNMENT = (
@@ -115,9 +115,9 @@ class FlashInferTrtllmExperts(Experts):
         if hidden % HIDDEN_ALIGNMENT:
             return f"hidden_size={hidden} is not a multiple of {HIDDEN_ALIGNMENT}"
         return (
-            self_check_failure(cls.name, setup.device, Activation(setup.config.activation))
-            or flashinfer_missing_reason()
+            flashinfer_missing_reason()
             or trtllm_cubins_missing_reason()
+            or self_check_refusal(cls, setup.device, Activation(setup.config.activation))
         )
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -132,7 +132,6 @@ class FlashInferTrtllmExperts(Experts):
             "use_shuffled_weight": True,
             "weight_layout": int(WeightLayout.BlockMajorK),
         }
-        ensure_self_check(self)
 
     def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> TrtllmWeights:
         """``w13 [L, 2I | I, H]`` (``[gate; up]``), ``w2 [L, H, I]`` → the kernel's layout."""
@@ -146,10 +145,9 @@ class FlashInferTrtllmExperts(Experts):
             intermediate_size=intermediate,
         )
 
-    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden_states = dispatched.hidden_states.contiguous()  # [R, H]
-        if out is None:
-            out = torch.empty_like(hidden_states)  # the kernel writes every row
+        out = torch.empty_like(hidden_states)  # the kernel writes every row
         if hidden_states.size(0) == 0:
             return out
         ids, weights = kernel_routing(dispatched)  # [R, K'] int32, [R, K'] fp32

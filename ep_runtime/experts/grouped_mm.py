@@ -1,25 +1,24 @@
 """Grouped-GEMM experts on ``torch._grouped_mm`` (CPU in torch ≥ 2.13, CUDA SM90+).
 
-Rows grouped by expert (EXPANDED, or expanded here from STANDARD) go through two grouped GEMMs,
-``h = x·w13ᵀ`` and ``y = act(h)·w2ᵀ``, with the activation and router weight applied together in
-fp32 between them. No Python loop over experts, no host sync. ``_grouped_mm`` leaves rows past the
-last offset unwritten and computes padding rows inside groups: both are overwritten with zeros.
+Rows grouped by expert (EXPANDED, or grouped here from STANDARD by the same counting sort the
+dispatchers use) go through two grouped GEMMs, ``h = x·w13ᵀ`` and ``y = act(h)·w2ᵀ``, with the
+activation and the router weight applied together in one fp32 pass between them. No Python loop
+over experts, no host sync. Rows past the last group offset are left unwritten: they are padding,
+and nothing reads them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ep_runtime.expand import plan_expansion, sum_rows_fp32
 from ep_runtime.experts.base import (
     EXPERTS,
     Experts,
     ExpertsCapabilities,
     ExpertsSetup,
     cuda_arch,
-    local_expert_index,
 )
+from ep_runtime.kernels import group_rows, sum_rows, weighted_activation
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 STRIDE_ALIGNMENT_BYTES = 16  # _grouped_mm needs every stride a multiple of 16 bytes
@@ -62,53 +61,36 @@ class GroupedMMExperts(Experts):
         self.w13_t = w13.transpose(1, 2)  # [L, H, 2I | I]
         self.w2_t = w2.transpose(1, 2)  # [L, I, H]
 
-    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
         if dispatched.layout is TopkLayout.EXPANDED:
-            result = self._grouped(
-                dispatched.hidden_states,
-                dispatched.topk_weights[:, 0],
-                dispatched.topk_ids[:, 0] >= 0,
-                dispatched.expert_offsets,
+            assert dispatched.expert_offsets is not None
+            return self.grouped(
+                dispatched.hidden_states, dispatched.topk_weights[:, 0], dispatched.expert_offsets
             )
-        else:
-            result = self._standard(dispatched)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
-
-    def _standard(self, dispatched: Dispatched) -> torch.Tensor:
-        """Group the STANDARD rows by expert, run the grouped path, sum slots back in fp32."""
         hidden = dispatched.hidden_states  # [R, H]
-        local = local_expert_index(dispatched.topk_ids, self.placement)  # [R, K]
-        num_rows, top_k = local.shape
+        num_rows, top_k = dispatched.topk_ids.shape
         num_local = self.placement.num_local_experts
-        plan = plan_expansion(local, num_local, num_rows * min(top_k, num_local))
-        weights = dispatched.topk_weights[plan.source_row, plan.source_slot]
-        grouped = self._grouped(
-            hidden.index_select(0, plan.source_row), weights, plan.valid, plan.expert_offsets
+        grouped = group_rows(
+            hidden,
+            dispatched.topk_ids,
+            dispatched.topk_weights,
+            local_offset=self.placement.local_expert_offset,
+            num_local=num_local,
+            num_rows=num_rows * min(top_k, num_local),
         )
-        return sum_rows_fp32(grouped, plan.slot_position).to(hidden.dtype)
+        results = self.grouped(grouped.hidden, grouped.weights, grouped.offsets)
+        return sum_rows(results, grouped.positions)  # [R, H]
 
-    def _grouped(
+    def grouped(
         self,
         rows: torch.Tensor,  # [N, H] grouped by local expert
-        weights: torch.Tensor,  # [N] router weight per row
-        valid: torch.Tensor,  # [N] bool; False rows (padding) may hold NaN
-        offsets: torch.Tensor,  # [L + 1] int32 group starts
+        weights: torch.Tensor,  # [N] fp32 router weight per row
+        offsets: torch.Tensor,  # [L + 1] int32 group starts; rows past offsets[L] are padding
     ) -> torch.Tensor:
-        num_rows, hidden = rows.shape
-        if num_rows == 0:
-            return rows.new_zeros(0, hidden)
-        ends = offsets[1:].to(torch.int32)
+        """``[N, H]`` weighted expert outputs; padding rows unwritten."""
+        if rows.size(0) == 0:
+            return rows.new_zeros(0, rows.size(1))
+        ends = offsets[1:]
         h = torch._grouped_mm(rows, self.w13_t, offs=ends)  # [N, 2I | I]
-        h = h.float()
-        if self.activation is Activation.SILU:
-            half = h.size(1) // 2
-            h = F.silu(h[:, :half]) * h[:, half:]
-        else:
-            h = torch.relu(h).square()
-        weight = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
-        h = (h * weight.unsqueeze(1)).to(rows.dtype)
-        y = torch._grouped_mm(h, self.w2_t, offs=ends)  # [N, H]
-        return torch.where(valid.unsqueeze(1), y, torch.zeros_like(y))
+        activated = weighted_activation(h, weights, gated=self.activation.is_gated)  # [N, I]
+        return torch._grouped_mm(activated, self.w2_t, offs=ends)  # [N, H]

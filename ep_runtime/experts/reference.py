@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.experts.base import (
-    EXPERTS,
-    Experts,
-    ExpertsCapabilities,
-    local_expert_index,
-)
+from ep_runtime.experts.base import EXPERTS, Experts, ExpertsCapabilities
 from ep_runtime.reference import expert_ffn
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -34,10 +29,10 @@ class ReferenceExperts(Experts):
         self.w13 = w13  # [L, 2I | I, H]
         self.w2 = w2  # [L, H, I]
 
-    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden = dispatched.hidden_states  # [R, H]
         num_rows, top_k = dispatched.topk_ids.shape
-        local = local_expert_index(dispatched.topk_ids, self.placement)  # [R, K'] in [0, L]
+        local = self.placement.local_index(dispatched.topk_ids)  # [R, K'] in [0, L]
         per_slot = torch.zeros(
             num_rows, top_k, hidden.size(1), dtype=torch.float32, device=hidden.device
         )
@@ -53,8 +48,4 @@ class ReferenceExperts(Experts):
             )
             weights = dispatched.topk_weights[rows, slots].float().unsqueeze(1)
             per_slot[rows, slots] = weights * y
-        result = per_slot.sum(1).to(hidden.dtype)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
+        return per_slot.sum(1).to(hidden.dtype)

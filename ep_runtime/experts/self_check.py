@@ -1,13 +1,15 @@
-"""Load-time self-check for experts backends that may never have run on the user's hardware.
+"""Selection-time self-check for experts backends that may never have run on the user's hardware.
 
-When: on the first ``load_weights`` of a backend on a device (per process and activation), before
-the user's weights are used. What: the backend runs a small hand-made problem for a virtual rank
+When: the first time the backend is considered for a layer on a device (per process and
+activation), while backends are chosen, so every layer (the first one too) gets the same answer
+and "auto" moves on from a backend that fails it.
+
+What: the backend runs a small hand-made problem for a virtual rank
 (rank 1 of 3, so the expert offset is > 0) in both layouts, with local, non-local and -1 ids, a
 padding row of NaN, NaN weights on -1 slots, an intermediate size that needs padding and a
 NaN-filled output buffer, and is compared per token to ``reference_moe`` with the derived
-tolerance. A mismatch (or an exception) refuses the backend with the numbers: ``load_weights``
-raises ``BackendUnavailableError`` and ``unavailable_reason`` keeps refusing it in this process,
-so "auto" moves on. Skip it with ``EP_RUNTIME_SKIP_SELF_CHECK=1``.
+tolerance (on the rows that hold data). A mismatch (or an exception) refuses the backend with
+the numbers. Skip it with ``EP_RUNTIME_SKIP_SELF_CHECK=1``.
 
 ``make_check_problem`` is also what the real-kernel tests feed the backends.
 """
@@ -24,7 +26,7 @@ from ep_runtime.experts.base import Experts, ExpertsSetup
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.reference import reference_moe
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from ep_runtime.types import Activation, BackendUnavailableError, Dispatched, TopkLayout
+from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 SKIP_ENV = "EP_RUNTIME_SKIP_SELF_CHECK"
 
@@ -37,9 +39,7 @@ CHECK_HIDDEN = 128
 CHECK_INTERMEDIATE = 96  # not a multiple of 128: TRTLLM's padding is exercised
 CHECK_TOKENS = 12
 
-_PASSED = "passed"
-_RUNNING = "running"
-_outcomes: dict[tuple[str, str, Activation], str] = {}  # key -> _PASSED, _RUNNING or a failure
+_results: dict[tuple[str, str, Activation], str | None] = {}  # None = passed, else why not
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,6 @@ def make_check_problem(
         ids = torch.where(served, local + offset, -1)
     else:
         offsets = None
-    counts = torch.stack([(served & (local == e)).sum() for e in range(num_local)])
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     local_ids = torch.where(served, local, -1)
     reference = reference_moe(x, local_ids, weights, w13, w2, config.activation)
@@ -125,10 +124,6 @@ def make_check_problem(
         topk_weights=weights.to(device),
         layout=layout,
         expert_offsets=None if offsets is None else offsets.to(device),
-        expert_num_tokens=counts.to(torch.int32).to(device),
-        expert_num_tokens_cpu=counts.tolist(),
-        num_valid_rows=x.size(0),
-        handle=None,
     )
     return CheckProblem(setup, dispatched, w13.to(device), w2.to(device), reference)
 
@@ -162,16 +157,17 @@ def _expand(
 
 
 def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
-    """Run ``cls`` on the check problem in both layouts; a failure description, or None."""
+    """Run ``cls`` on the check problem in both layouts; a failure description, or None.
+    Rows without a served slot (padding) are not compared: nothing reads them."""
     for layout in TopkLayout:
         problem = make_check_problem(setup, layout)
         backend = cls(setup)
         backend.load_weights(problem.w13, problem.w2)
-        rows, hidden = problem.dispatched.hidden_states.shape
-        out = torch.full((rows, hidden), float("nan"), dtype=setup.dtype, device=setup.device)
-        result = backend.forward(problem.dispatched, out=out)
+        result = backend.forward(problem.dispatched)
+        served = (problem.dispatched.topk_ids >= 0).any(dim=1).cpu()
+        hidden = problem.dispatched.hidden_states.size(1)
         tolerance = tolerance_for(setup.dtype, max(hidden, setup.config.intermediate_size))
-        comparison = compare_per_token(result, problem.reference, tolerance)
+        comparison = compare_per_token(result.cpu()[served], problem.reference[served], tolerance)
         if not comparison.passed:
             c = setup.config
             return (
@@ -183,35 +179,20 @@ def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
     return None
 
 
-def _key(name: str, device: torch.device, activation: Activation) -> tuple[str, str, Activation]:
+def self_check_refusal(
+    cls: type[Experts], device: torch.device, activation: Activation
+) -> str | None:
+    """Why ``cls`` fails its self-check here (run once per backend, device and activation in
+    this process), or None."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return (name, str(device), activation)
-
-
-def ensure_self_check(backend: Experts) -> None:
-    """Run the self-check once per (backend, device, activation); raise on failure.
-
-    Called at the end of ``load_weights``; the check's own loads find the key and return.
-    """
-    key = _key(backend.name, backend.setup.device, backend.activation)
-    outcome = _outcomes.get(key)
-    if outcome is None:
-        if os.environ.get(SKIP_ENV) == "1":
-            return
-        _outcomes[key] = _RUNNING
-        setup = check_setup(backend.activation, backend.setup.device)
+    key = (cls.name, str(device), activation)
+    if key not in _results:
         try:
-            outcome = check_backend(type(backend), setup) or _PASSED
+            failure = check_backend(cls, check_setup(activation, device))
         except Exception as error:  # a kernel that raises is refused like a wrong one
-            outcome = f"self-check raised {type(error).__name__}: {error}"
-        _outcomes[key] = outcome
-    if outcome not in (_PASSED, _RUNNING):
-        hint = f" (set {SKIP_ENV}=1 to skip the check)"
-        raise BackendUnavailableError("experts", backend.name, {backend.name: outcome + hint})
-
-
-def self_check_failure(name: str, device: torch.device, activation: Activation) -> str | None:
-    """The recorded self-check failure of backend ``name`` here, if it failed in this process."""
-    outcome = _outcomes.get(_key(name, device, activation))
-    return None if outcome in (None, _PASSED, _RUNNING) else outcome
+            failure = f"self-check raised {type(error).__name__}: {error}"
+        _results[key] = None if failure is None else f"{failure} (set {SKIP_ENV}=1 to skip it)"
+    return _results[key]

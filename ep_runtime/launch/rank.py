@@ -28,15 +28,16 @@ from ep_runtime.bench.metrics import (
     expert_token_counts,
     imbalance,
 )
-from ep_runtime.bench.timing import PhaseClock, max_over_ranks_stats
+from ep_runtime.bench.timing import PhaseClock, PhaseRecorder, max_over_ranks_stats
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.launch import workload
 from ep_runtime.launch.spec import RunSpec
+from ep_runtime.layer import PHASES as LAYER_PHASES
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import DispatchMode
 
-PHASES = ("dispatch", "experts", "combine", "layer")
+PHASES = (*LAYER_PHASES, "layer")
 GRAPH_PHASE = "layer_graph"  # capacity mode on CUDA: the layer replayed as a captured CUDA graph
 
 
@@ -211,42 +212,38 @@ class RankWorker:
         return {"choice": choice.describe()}
 
     def run_iters(self, count: int, timed: bool) -> None:
-        """``count`` iterations of dispatch, experts, combine (each timed alone) and the layer."""
+        """``count`` iterations: a layer forward with each phase timed alone (the layer's phase
+        hook: barrier and sync around dispatch, experts and combine), then the layer untouched."""
         layer, clock = self._layer(), self.clock
-        dispatcher, layout = layer.dispatcher, layer.layout
         x, ids, weights = self.x, self.topk_ids, self.topk_weights
         times = self.cases[self.case]["times"]
+        recorder = PhaseRecorder(clock)
         for _ in range(count):
             if timed:
                 self._maybe_fail()
-            dispatched, t_dispatch = clock.time(
-                lambda: dispatcher.dispatch(x, ids, weights, layout, num_local_chunks=1)
-            )
-            expert_out, t_experts = clock.time(lambda d=dispatched: layer.experts.forward(d))
-            self.phase_out, t_combine = clock.time(
-                lambda e=expert_out, d=dispatched: dispatcher.combine(e, d)
-            )
+            recorder.reset()
+            layer.phase_timer = recorder
+            try:
+                self.phase_out = layer(x, ids, weights)
+            finally:
+                layer.phase_timer = None
             _, t_layer = clock.time(lambda: layer(x, ids, weights))
             if self.graph is not None:
                 _, t_graph = clock.time(self.graph.replay)
             if timed:
                 self.timed_iterations += 1
-                for phase, seconds in zip(
-                    PHASES, (t_dispatch, t_experts, t_combine, t_layer), strict=True
-                ):
-                    times[phase].append(seconds)
+                for phase in LAYER_PHASES:
+                    times[phase].append(recorder.seconds.get(phase, 0.0))
+                times["layer"].append(t_layer)
                 if self.graph is not None:
                     times[GRAPH_PHASE].append(t_graph)
 
     def validate(self) -> dict:
         """Layer output on a token sample vs ``reference_moe`` (only the experts it touches), and
-        the phase-by-phase output vs the layer's, bitwise (DESIGN.md: combine is deterministic)."""
+        the phase-timed forward's output vs this one's, bitwise (combine is deterministic)."""
         layer, spec, model = self._layer(), self.spec, self.spec.model
         out = layer(self.x, self.topk_ids, self.topk_weights)  # [T, H]
-        dispatched = layer.dispatcher.dispatch(
-            self.x, self.topk_ids, self.topk_weights, layer.layout, num_local_chunks=1
-        )
-        phase_out = layer.dispatcher.combine(layer.experts.forward(dispatched), dispatched)
+        phase_out = self.phase_out  # the last phase-timed forward of the same inputs
         sample = workload.validation_sample(out.size(0), spec.validate_tokens, spec.seed, self.rank)
         rows = sample.to(self.device)
         reference, touched = workload.sampled_reference(

@@ -240,6 +240,12 @@ def dyadic_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return x, ids, weights
 
 
+def dispatch_only(layer: EPMoE, x, ids, weights):
+    """The layer's dispatcher alone (what the experts would get)."""
+    dispatched, _ = layer.dispatcher.dispatch(x, ids, weights, layer.layout, layer=layer.identity)
+    return dispatched
+
+
 def weighted_identity(dispatched) -> torch.Tensor:
     """Stand-in experts for round trips: row r → Σ_{served k} w[r,k] · x[r], zero for padding."""
     served = dispatched.topk_ids >= 0
@@ -256,7 +262,7 @@ def check_round_trip(spec: CaseSpec) -> int:
     dev = device()
     try:
         x, ids, weights = x.to(dev), ids.to(dev), weights.to(dev)
-        dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
+        dispatched = dispatch_only(layer, x, ids, weights)
         out = layer.dispatcher.combine(weighted_identity(dispatched), dispatched)
     finally:
         layer.close()
@@ -276,7 +282,7 @@ def dispatch_dyadic_inputs(spec: CaseSpec):
     inputs = [dyadic_inputs(spec, source) for source in range(world)]
     x, ids, weights = (t.to(device()) for t in inputs[rank])
     try:
-        dispatched = layer.dispatcher.dispatch(x, ids, weights, layer.layout)
+        dispatched = dispatch_only(layer, x, ids, weights)
     finally:
         layer.close()
     num_local = spec.num_experts // world
@@ -326,7 +332,6 @@ def check_dispatch_bitwise(spec: CaseSpec) -> int:
     offsets = dispatched.expert_offsets.cpu().tolist()
     counts = [sum(1 for key, _, _ in expected_rows if key[0] == low + e) for e in range(num_local)]
     assert offsets == [sum(counts[:e]) for e in range(num_local + 1)], (offsets, counts)
-    assert dispatched.expert_num_tokens.cpu().tolist() == counts
     if count:
         assert torch.equal(hidden[:count], torch.stack([row for _, row, _ in expected_rows]))
         assert got_ids[:count, 0].tolist() == [key[0] for key, _, _ in expected_rows]

@@ -1,0 +1,262 @@
+"""The peers of one dispatcher: collectives that notice when a peer is gone, and notices.
+
+A rank waiting in a collective (gloo blocks the host; exact mode on NCCL reads counts on the host)
+polls, besides the collective, two things: notices peers post in the group's store (a layer
+closed, a failure inside a forward, an exception that ends the process) and, for peers on this
+host, whether their process still exists. Either turns the wait into a ``RemoteRankError``
+naming the peer within a fraction of a second, instead of the group timeout. A transport error
+(a peer's connection closed) is diagnosed the same way, so the error names the rank that died.
+Leaving a collective early leaves the process group out of step: the dispatcher is then marked
+unusable and every later call says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime.comm import Comm
+from ep_runtime.types import RemoteRankError
+
+POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
+POLL_EVERY_S = 0.2
+SPIN_S = 0.002  # a device read spins this long before sleeping between polls
+DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
+DISPATCHER_NOTICE = "dispatcher"
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Where a rank's process runs, for liveness checks."""
+
+    host: str
+    pid: int
+
+    @staticmethod
+    def of_this_process() -> PeerIdentity:
+        return PeerIdentity(socket.gethostname(), os.getpid())
+
+
+class GroupUnusableError(RuntimeError):
+    """The dispatcher's process group is out of step after a peer failed or left."""
+
+
+def group_store(group: dist.ProcessGroup | None) -> dist.Store | None:
+    """The store the group was built on (torch keeps it privately), or None."""
+    if group is None:
+        return None
+    try:
+        if group is dist.group.WORLD:
+            return dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._world.pg_map[group][1]
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return None
+
+
+def process_is_gone(pid: int) -> bool:
+    """True if ``pid`` (on this host) no longer runs: no such process, or a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+_LIVE: weakref.WeakSet[Peers] = weakref.WeakSet()
+_previous_excepthook = sys.excepthook
+
+
+def _post_exit_notice(
+    kind: type[BaseException], value: BaseException, trace: TracebackType | None
+) -> None:
+    """An uncaught exception ends this process: tell the peers of every open dispatcher why."""
+    for peers in list(_LIVE):
+        peers.post(DISPATCHER_NOTICE, f"exited on an uncaught {kind.__name__}: {value}")
+    _previous_excepthook(kind, value, trace)
+
+
+class Peers:
+    """This rank's view of the group one dispatcher runs on."""
+
+    def __init__(self, comm: Comm, namespace: str, identities: list[PeerIdentity]) -> None:
+        self.comm = comm
+        self.namespace = namespace
+        self.identities = identities
+        self.store = group_store(comm.group)
+        self.unusable_reason: str | None = None
+        self.layer_in_flight: int | None = None
+        self._notices_seen = 0
+        local_host = socket.gethostname()
+        self._local_peers = [
+            (rank, identity.pid)
+            for rank, identity in enumerate(identities)
+            if rank != comm.rank and identity.host == local_host
+        ]
+        if self.store is not None and comm.world_size > 1:
+            _LIVE.add(self)
+            if sys.excepthook is _previous_excepthook:
+                sys.excepthook = _post_exit_notice
+
+    # ----------------------------------------------------------------- collectives
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        *,
+        recv: torch.Tensor | None = None,
+        send_splits: list[int] | None = None,
+        recv_splits: list[int] | None = None,
+    ) -> torch.Tensor:
+        """All-to-all along dim 0; a world of one returns ``send`` itself (nothing moves)."""
+        self.check_usable()
+        if self.comm.world_size == 1:
+            return send
+        if recv is None:
+            rows = send.size(0) if recv_splits is None else sum(recv_splits)
+            recv = send.new_empty(rows, *send.shape[1:])
+        work = dist.all_to_all_single(
+            recv, send, recv_splits, send_splits, group=self.comm.group, async_op=True
+        )
+        self._wait(work, "all_to_all")
+        return recv
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        self.check_usable()
+        return self.comm.all_gather_object(obj)
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """``tensor.tolist()``; on CUDA the wait polls for peers instead of blocking."""
+        if tensor.device.type == "cuda" and self.comm.world_size > 1:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._poll(done.query, "a device read")
+            return host.tolist()
+        return tensor.tolist()
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work``; on gloo (the host blocks) in slices, looking for trouble between
+        them. A slice that times out leaves the collective running (gloo keeps it)."""
+        if "gloo" not in self.comm.backend:  # NCCL: the stream waits, not the host
+            work.wait()
+            return
+        timeout = timedelta(seconds=POLL_START_S)
+        while True:
+            try:
+                work.wait(timeout)
+                return
+            except Exception as error:
+                if work.is_completed():  # it failed, not a slice that timed out
+                    self._diagnose(error, what)
+            self._raise_on_trouble(what)
+            timeout = timedelta(seconds=POLL_EVERY_S)
+
+    def _poll(self, done: Callable[[], bool], what: str) -> None:
+        """Until ``done()``: spin briefly, then sleep in short steps, looking for trouble."""
+        start = time.monotonic()
+        next_look = start + POLL_START_S
+        while not done():
+            now = time.monotonic()
+            if now - start > SPIN_S:
+                time.sleep(0.0005)
+            if now >= next_look:
+                self._raise_on_trouble(what)
+                next_look = now + POLL_EVERY_S
+
+    # ----------------------------------------------------------------- trouble
+    def post(self, topic: str, text: str) -> None:
+        """Leave a notice for the peers (best effort: a dead store loses it)."""
+        if self.store is None or self.comm.world_size == 1:
+            return
+        try:
+            self.store.set(self._key(self.comm.rank, topic), json.dumps({"text": text}))
+            self.store.add(f"{self.namespace}/count", 1)
+        except Exception:  # a notice must never raise on the failure path
+            return
+
+    def _key(self, rank: int, topic: str) -> str:
+        return f"{self.namespace}/{rank}/{topic}"
+
+    def _notices(self) -> list[tuple[int, str]]:
+        """(rank, text) of the notices that concern the forward in flight."""
+        if self.store is None:
+            return []
+        count = int(self.store.add(f"{self.namespace}/count", 0))
+        if count == self._notices_seen:
+            return []
+        topics = [DISPATCHER_NOTICE]
+        if self.layer_in_flight is not None:
+            topics.append(f"layer{self.layer_in_flight}")
+        found = []
+        for rank in range(self.comm.world_size):
+            if rank == self.comm.rank:
+                continue
+            for topic in topics:
+                key = self._key(rank, topic)
+                if self.store.check([key]):
+                    found.append((rank, json.loads(self.store.get(key))["text"]))
+        if not found:
+            self._notices_seen = count
+        return found
+
+    def _trouble(self) -> tuple[int, str] | None:
+        for rank, pid in self._local_peers:
+            if process_is_gone(pid):
+                return rank, f"its process (pid {pid} on this host) is gone"
+        try:
+            notices = self._notices()
+        except Exception as error:  # the store's host may be the dead one
+            return -1, f"the group's store is unreachable ({type(error).__name__}: {error})"
+        return notices[0] if notices else None
+
+    def _raise_on_trouble(self, what: str, cause: BaseException | None = None) -> None:
+        found = self._trouble()
+        if found is None:
+            return
+        rank, reason = found
+        self.mark_unusable(f"rank {rank} {reason}" if rank >= 0 else reason)
+        if rank < 0:
+            raise GroupUnusableError(f"{what}: {reason}") from cause
+        raise RemoteRankError(rank, f"{reason} (seen while waiting in {what})") from cause
+
+    def _diagnose(self, error: Exception, what: str) -> None:
+        """A transport error: wait briefly for the peer's notice or death to name it."""
+        deadline = time.monotonic() + DIAGNOSE_S
+        while time.monotonic() < deadline:
+            self._raise_on_trouble(what, error)
+            time.sleep(0.05)
+        self.mark_unusable(f"{what} failed: {error}")
+        raise GroupUnusableError(
+            f"{what} failed and no peer is known to have failed: {type(error).__name__}: {error}"
+        ) from error
+
+    def mark_unusable(self, reason: str) -> None:
+        if self.unusable_reason is None:
+            self.unusable_reason = reason
+
+    def check_usable(self) -> None:
+        if self.unusable_reason is not None:
+            raise GroupUnusableError(
+                f"this dispatcher's process group is out of step since {self.unusable_reason}; "
+                "build new layers on a new process group"
+            )
+
+    def close(self) -> None:
+        _LIVE.discard(self)

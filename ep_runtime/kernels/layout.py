@@ -1,0 +1,124 @@
+"""The shapes the data-path ops agree on: the packed row, the per-peer chunk, the forward header,
+and the control block a dispatcher keeps on its device.
+
+A packed row is ``hidden | ids int32 [K_max] | weights fp32 [K_max]``; a token travels once to
+each rank owning at least one of its experts. Every all-to-all buffer (dispatch and combine, both
+directions) is a list of per-peer chunks ``[header rows][token rows]``, so the row a token occupies
+in the dispatch send buffer is the row its result occupies in the combine receive buffer, and a
+received row's index is the index of its pre-reduced result in the combine send buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+HEADER_INTS = 16  # int32 fields of a forward header; 64 bytes
+HEADER_BYTES = 4 * HEADER_INTS
+
+
+class Field(enum.IntEnum):
+    """Columns of a forward header (one ``[HEADER_INTS]`` int32 row per (source, destination))."""
+
+    STATUS = 0  # ForwardStatus of the source
+    SEQ = 1  # the source's forward counter (per dispatcher)
+    FINGERPRINT = 2  # hash of the layer's settings, agreed when it was built
+    LAYER = 3  # index of the layer on its dispatcher
+    PHASE = 4  # Phase: which collective of the forward this is
+    TOP_K = 5  # K in force at the source (0: a rank with no tokens agrees with any K)
+    NUM_CHUNKS = 6  # exact mode: rounds the source needs for its tokens
+    NUM_ROWS = 7  # token rows the source sends to this destination
+    NUM_SLOTS = 8  # (token, slot) pairs among those rows that this destination serves
+
+
+class Control(enum.IntEnum):
+    """Entries of a dispatcher's control block: an int32 tensor on its device, updated by the
+    data-path ops without a host sync (so capacity mode stays capturable in a CUDA graph)."""
+
+    SEQ = 0  # the next forward's number
+    BAD_IDS = 1  # ids dropped since the last check (out of range, or repeated in a row)
+    FAILED_STATUS = 2  # worst ForwardStatus recorded since the last check, 0 = none
+    FAILED_RANK = 3  # the first rank that recorded it
+    FAILED_SEQ = 4  # that rank's forward number
+    FORWARD_FAILED = 5  # 1 while the current forward has seen a failure
+
+
+CONTROL_INTS = 8
+
+
+def new_control(device: torch.device) -> torch.Tensor:
+    return torch.zeros(CONTROL_INTS, dtype=torch.int32, device=device)
+
+
+def _align(num_bytes: int, alignment: int) -> int:
+    return -(-num_bytes // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Byte layout of one packed row. The hidden part is at least a header long, so a header row
+    holds its fields where a token row holds its hidden state, and ``-1`` ids in both."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    max_top_k: int
+
+    @property
+    def hidden_bytes(self) -> int:
+        return _align(max(self.hidden_size * self.dtype.itemsize, HEADER_BYTES), 16)
+
+    @property
+    def ids_offset(self) -> int:
+        return self.hidden_bytes
+
+    @property
+    def weights_offset(self) -> int:
+        return self.hidden_bytes + 4 * self.max_top_k
+
+    @property
+    def row_bytes(self) -> int:
+        return _align(self.weights_offset + 4 * self.max_top_k, 16)
+
+    def hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` view (row stride ``row_bytes``) of the hidden states in ``rows``."""
+        end = self.hidden_size * self.dtype.itemsize
+        return rows[:, :end].view(self.dtype)
+
+    def ids(self, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+        """``[R, top_k]`` int32 view of the ids."""
+        return rows[:, self.ids_offset : self.ids_offset + 4 * top_k].view(torch.int32)
+
+    def weights(self, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+        """``[R, top_k]`` fp32 view of the weights."""
+        return rows[:, self.weights_offset : self.weights_offset + 4 * top_k].view(torch.float32)
+
+    def header(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, HEADER_INTS]`` int32 view of the header fields (meaningful in header rows)."""
+        return rows[:, :HEADER_BYTES].view(torch.int32)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Per-peer chunks of an all-to-all buffer: ``header_rows`` then the token rows.
+
+    Exact mode: chunk p holds exactly ``header_rows + rows[p]`` rows. Capacity mode: every chunk
+    holds ``header_rows + capacity`` rows (static shapes)."""
+
+    header_rows: int
+    capacity: int | None  # None: exact sizes
+
+    def chunk_rows(self, rows: list[int]) -> list[int]:
+        """Rows of each peer's chunk, for per-peer token counts ``rows`` (exact mode)."""
+        if self.capacity is not None:
+            return [self.header_rows + self.capacity] * len(rows)
+        return [self.header_rows + count for count in rows]
+
+    def total_rows(self, rows: list[int]) -> int:
+        return sum(self.chunk_rows(rows))
+
+
+def header_rows_for(hidden_size: int, dtype: torch.dtype) -> int:
+    """Header rows per chunk: enough ``[H]`` rows of ``dtype`` to hold a header."""
+    return -(-HEADER_BYTES // (hidden_size * dtype.itemsize))
