@@ -31,16 +31,20 @@ def reference_moe(
     activation: str = "silu",
     *,
     accumulate_dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
+    return_scale: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out[t] = Σ_k w[t,k] · FFN_{ids[t,k]}(x[t])`` over slots with id ≠ -1, as float32.
 
     Everything is computed in ``accumulate_dtype`` from the given (already rounded) inputs.
-    Weights on -1 slots are never read, so NaN there cannot leak.
+    Weights on -1 slots are never read, so NaN there cannot leak. ``return_scale``: also
+    ``[T]`` float64 ``Σ_k |w[t,k]| · ‖FFN_{ids[t,k]}(x[t])‖``, the size of the summed terms,
+    which bounds the error of any computation of the sum (tolerance.py) even where it cancels.
     """
     activation = getattr(activation, "value", activation)
     acc = accumulate_dtype
     num_tokens, hidden = x.shape
     out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
+    scale = torch.zeros(num_tokens, dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
     for expert in ids[ids >= 0].unique().tolist():
         token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
@@ -48,4 +52,7 @@ def reference_moe(
         y = expert_ffn(rows, w13[expert].to(acc), w2[expert].to(acc), activation)
         weights = topk_weights[token_idx, slot_idx].to(acc).unsqueeze(1)
         out.index_add_(0, token_idx, weights * y)
+        scale.index_add_(0, token_idx, (weights * y).norm(dim=1).double())
+    if return_scale:
+        return out.to(torch.float32), scale
     return out.to(torch.float32)

@@ -78,10 +78,10 @@ def test_sampled_reference_equals_full_reference(model_name):
         model, list(range(model.num_experts)), 5, CPU, torch.float32
     )
     expected = reference_moe(x, ids, weights, full13, full2, activation=model.activation)
-    got, touched = workload.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
+    got, _, touched = workload.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
     assert touched == sorted(set(ids.flatten().tolist()))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    wrong_seed, _ = workload.sampled_reference(model, x, ids, weights, 6, experts_per_chunk=3)
+    wrong_seed, _, _ = workload.sampled_reference(model, x, ids, weights, 6, experts_per_chunk=3)
     assert not torch.allclose(wrong_seed, expected, rtol=1e-2, atol=1e-2)
 
 
@@ -98,7 +98,7 @@ def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypat
         return original(model_, experts, *args)
 
     monkeypatch.setattr(workload, "stacked_expert_weights", recording)
-    _, touched = workload.sampled_reference(model, x, ids, weights, 0)
+    _, _, touched = workload.sampled_reference(model, x, ids, weights, 0)
     assert max(len(chunk) for chunk in built) <= workload.EXPERTS_PER_VALIDATION_CHUNK
     assert sorted(e for chunk in built for e in chunk) == touched
     assert len(touched) < model.num_experts

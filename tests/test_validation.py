@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ep_runtime import ClosedError, EPInputError, EPMoE, MoEConfig
+from ep_runtime.dispatch.base import DEVICE_CHECKS_ENV
 from ep_runtime.placement import ExpertPlacement
 
 CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=4, dtype=torch.float32)
@@ -123,13 +124,17 @@ def test_forward_before_load_weights() -> None:
         layer(*good_inputs())
 
 
-def test_capacity_mode_drops_out_of_range_and_repeated_ids_on_device() -> None:
+def test_capacity_mode_drops_out_of_range_and_repeated_ids_on_device(monkeypatch) -> None:
     """The CUDA capacity path cannot sync to reject ids: it turns bad ones into -1 and counts
-    them; ``check()`` then raises with the count (here called directly, on CPU)."""
+    them; ``check()`` then raises with the count (that path forced on here, on CPU)."""
+    monkeypatch.setenv(DEVICE_CHECKS_ENV, "1")
     layer = make_layer(mode="capacity", max_tokens_per_rank=4)
+    x, _, weights = good_inputs()
     ids = torch.tensor([[1, 1], [0, 9], [3, -1]])
-    kept = layer._drop_invalid_ids(ids)
-    assert kept.tolist() == [[1, -1], [0, -1], [3, -1]]
+    out = layer(x, ids, weights)
+    kept = torch.tensor([[1, -1], [0, -1], [3, -1]])
+    expected = layer(x, kept, weights)
+    assert torch.equal(out, expected)
     with pytest.raises(EPInputError, match=r"^topk_ids: .* 2 out-of-range or repeated ids"):
         layer.check()
     layer.check()  # the count was reset

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ep_runtime.types import (
 )
 
 FINAL_METHODS = ("dispatch", "combine")
+DEVICE_CHECKS_ENV = "EP_RUNTIME_CHECKS_ON_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ class DispatchSetup:
 
     @property
     def checks_on_device(self) -> bool:
-        """Capacity mode on CUDA never syncs: headers are checked on the device."""
-        return self.mode is DispatchMode.CAPACITY and self.device.type == "cuda"
+        """Capacity mode on CUDA never syncs: headers are checked on the device. (Tests set
+        ``EP_RUNTIME_CHECKS_ON_DEVICE=1`` to run that path's logic on CPU ranks too.)"""
+        on_device = self.device.type == "cuda" or os.environ.get(DEVICE_CHECKS_ENV) == "1"
+        return self.mode is DispatchMode.CAPACITY and on_device
 
     def cache_key(self) -> tuple:
         group_key = id(self.comm.group) if self.comm.group is not None else None

@@ -12,6 +12,7 @@ unusable and every later call says why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -80,16 +81,26 @@ def process_is_gone(pid: int) -> bool:
 
 
 _LIVE: weakref.WeakSet[Peers] = weakref.WeakSet()
-_previous_excepthook = sys.excepthook
 
 
-def _post_exit_notice(
-    kind: type[BaseException], value: BaseException, trace: TracebackType | None
-) -> None:
-    """An uncaught exception ends this process: tell the peers of every open dispatcher why."""
-    for peers in list(_LIVE):
-        peers.post(DISPATCHER_NOTICE, f"exited on an uncaught {kind.__name__}: {value}")
-    _previous_excepthook(kind, value, trace)
+class _ExitNotices:
+    """``sys.excepthook`` while dispatchers are open: an uncaught exception ends this process,
+    so tell the peers of every open dispatcher why, then run the hook it replaced."""
+
+    def __init__(self, previous: Callable) -> None:
+        self.previous = previous
+
+    def __call__(
+        self, kind: type[BaseException], value: BaseException, trace: TracebackType | None
+    ) -> None:
+        for peers in list(_LIVE):
+            peers.post(DISPATCHER_NOTICE, f"exited on an uncaught {kind.__name__}: {value}")
+        self.previous(kind, value, trace)
+
+
+def _install_exit_notices() -> None:
+    if not isinstance(sys.excepthook, _ExitNotices):
+        sys.excepthook = _ExitNotices(sys.excepthook)
 
 
 class Peers:
@@ -111,8 +122,7 @@ class Peers:
         ]
         if self.store is not None and comm.world_size > 1:
             _LIVE.add(self)
-            if sys.excepthook is _previous_excepthook:
-                sys.excepthook = _post_exit_notice
+            _install_exit_notices()
 
     # ----------------------------------------------------------------- collectives
     def all_to_all(
@@ -186,7 +196,8 @@ class Peers:
         if self.store is None or self.comm.world_size == 1:
             return
         try:
-            self.store.set(self._key(self.comm.rank, topic), json.dumps({"text": text}))
+            notice = json.dumps({"text": text, "time": time.time()})
+            self.store.set(self._key(self.comm.rank, topic), notice)
             self.store.add(f"{self.namespace}/count", 1)
         except Exception:  # a notice must never raise on the failure path
             return
@@ -195,7 +206,8 @@ class Peers:
         return f"{self.namespace}/{rank}/{topic}"
 
     def _notices(self) -> list[tuple[int, str]]:
-        """(rank, text) of the notices that concern the forward in flight."""
+        """(rank, text) of the notices that concern the forward in flight, earliest first (a
+        peer that failed because of another posts a notice too: the first one is the cause)."""
         if self.store is None:
             return []
         count = int(self.store.add(f"{self.namespace}/count", 0))
@@ -211,20 +223,29 @@ class Peers:
             for topic in topics:
                 key = self._key(rank, topic)
                 if self.store.check([key]):
-                    found.append((rank, json.loads(self.store.get(key))["text"]))
+                    notice = json.loads(self.store.get(key))
+                    found.append((notice["time"], rank, notice["text"]))
         if not found:
             self._notices_seen = count
-        return found
+        return [(rank, text) for _, rank, text in sorted(found)]
 
     def _trouble(self) -> tuple[int, str] | None:
-        for rank, pid in self._local_peers:
-            if process_is_gone(pid):
-                return rank, f"its process (pid {pid} on this host) is gone"
+        """A peer's notice (it says why), else a peer on this host whose process is gone, else
+        an unreachable store (its host may be the one that died)."""
+        store_error = None
         try:
             notices = self._notices()
         except Exception as error:  # the store's host may be the dead one
-            return -1, f"the group's store is unreachable ({type(error).__name__}: {error})"
-        return notices[0] if notices else None
+            notices, store_error = [], error
+        if notices:
+            return notices[0]
+        for rank, pid in self._local_peers:
+            if process_is_gone(pid):
+                return rank, f"is gone: its process (pid {pid} on this host) ended"
+        if store_error is not None:
+            kind = type(store_error).__name__
+            return -1, f"the group's store is unreachable ({kind}: {store_error})"
+        return None
 
     def _raise_on_trouble(self, what: str, cause: BaseException | None = None) -> None:
         found = self._trouble()
@@ -232,6 +253,7 @@ class Peers:
             return
         rank, reason = found
         self.mark_unusable(f"rank {rank} {reason}" if rank >= 0 else reason)
+        self._abort_group()
         if rank < 0:
             raise GroupUnusableError(f"{what}: {reason}") from cause
         raise RemoteRankError(rank, f"{reason} (seen while waiting in {what})") from cause
@@ -246,6 +268,15 @@ class Peers:
         raise GroupUnusableError(
             f"{what} failed and no peer is known to have failed: {type(error).__name__}: {error}"
         ) from error
+
+    def _abort_group(self) -> None:
+        """This rank leaves a collective its peers will never finish: abort the group, so the
+        collective left behind ends now instead of blocking the process's exit (gloo aborts a
+        process that exits with a collective still waiting) and no later call pairs with it."""
+        abort = getattr(self.comm.group, "abort", None)
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
 
     def mark_unusable(self, reason: str) -> None:
         if self.unusable_reason is None:

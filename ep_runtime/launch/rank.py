@@ -246,11 +246,11 @@ class RankWorker:
         phase_out = self.phase_out  # the last phase-timed forward of the same inputs
         sample = workload.validation_sample(out.size(0), spec.validate_tokens, spec.seed, self.rank)
         rows = sample.to(self.device)
-        reference, touched = workload.sampled_reference(
+        reference, scale, touched = workload.sampled_reference(
             model, self.x[rows], self.topk_ids[rows], self.topk_weights[rows], spec.seed
         )
         tolerance = tolerance_for(self.dtype, max(model.hidden_size, model.intermediate_size))
-        comparison = compare_per_token(out[rows], reference, tolerance)
+        comparison = compare_per_token(out[rows], reference, tolerance, scale)
         deterministic = torch.equal(out, phase_out)
         if self.graph is not None:
             self.graph.replay()

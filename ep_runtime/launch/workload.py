@@ -114,14 +114,16 @@ def sampled_reference(
     topk_weights: torch.Tensor,  # [S, K] fp32
     seed: int,
     experts_per_chunk: int = EXPERTS_PER_VALIDATION_CHUNK,
-) -> tuple[torch.Tensor, list[int]]:
-    """``reference_moe`` on the sample (fp32 ``[S, H]``) and the experts it regenerated.
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``reference_moe`` on the sample (fp32 ``[S, H]``), its per-token scale (``[S]``, the
+    size of the summed terms, see tolerance.py) and the experts it regenerated.
 
     Experts are regenerated ``experts_per_chunk`` at a time with ids remapped to the chunk, so
     memory is bounded by the chunk, not by E (DeepSeek-V3 has 256 experts, 22 GB in bf16).
     """
     touched = sorted(int(e) for e in topk_ids[topk_ids >= 0].unique().tolist())
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    scale = torch.zeros(x.size(0), dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
     for start in range(0, len(touched), experts_per_chunk):
         chunk = touched[start : start + experts_per_chunk]
@@ -129,5 +131,9 @@ def sampled_reference(
         chunk_ids = torch.full_like(ids, -1)
         for slot, expert in enumerate(chunk):
             chunk_ids[ids == expert] = slot
-        out += reference_moe(x, chunk_ids, topk_weights, w13, w2, activation=model.activation)
-    return out, touched
+        part, part_scale = reference_moe(
+            x, chunk_ids, topk_weights, w13, w2, activation=model.activation, return_scale=True
+        )
+        out += part
+        scale += part_scale
+    return out, scale, touched

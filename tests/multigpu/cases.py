@@ -145,7 +145,7 @@ def run_layer_case(spec: CaseSpec, faults: tuple[str, ...] = ()) -> CaseResult:
     rank = dist.get_rank()
     x, ids, weights = make_inputs(spec, rank)
     w13, w2 = make_weights(spec)
-    ref = reference_moe(x, ids, weights, w13, w2, spec.activation)
+    ref, scale = reference_moe(x, ids, weights, w13, w2, spec.activation, return_scale=True)
     layer = build_layer(spec)
     try:
         layer_x, layer_ids, layer_weights = apply_input_faults(spec, x, ids, weights, faults)
@@ -157,7 +157,7 @@ def run_layer_case(spec: CaseSpec, faults: tuple[str, ...] = ()) -> CaseResult:
         if "zero_output" in faults:
             out = torch.zeros_like(out)
         comparison = compare_per_token(
-            out, ref, tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate))
+            out, ref, tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate)), scale
         )
         return CaseResult(
             rank,

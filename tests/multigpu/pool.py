@@ -39,7 +39,12 @@ class RankFailure:
 
 
 def _breaks_the_group(failure: RankFailure) -> bool:
-    return failure.type_name.startswith("Dist") or "timed out" in failure.message.lower()
+    return (
+        failure.type_name.startswith("Dist")
+        or failure.type_name == "GroupUnusableError"
+        or "timed out" in failure.message.lower()
+        or "out of step" in failure.message
+    )
 
 
 class PoolBroken(RuntimeError):
@@ -55,7 +60,17 @@ def pick_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _rank_main(rank: int, world_size: int, backend: str, port: int, inbox, outbox) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    env: dict[str, str],
+    inbox,
+    outbox,
+) -> None:
+    os.environ.update(env)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -64,14 +79,14 @@ def _rank_main(rank: int, world_size: int, backend: str, port: int, inbox, outbo
         port,
         world_size + 1,
         is_master=False,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s),
     )
     dist.init_process_group(
         backend,
         store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s),
     )
     outbox.put(("ready", rank, None))
     while True:
@@ -88,7 +103,13 @@ def _rank_main(rank: int, world_size: int, backend: str, port: int, inbox, outbo
 
 
 class RankPool:
-    def __init__(self, world_size: int, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        start_timeout_s: float = 120.0,
+        group_timeout_s: float = GROUP_TIMEOUT_S,
+        env: dict[str, str] | None = None,  # set in every rank process before anything runs
+    ) -> None:
         self.world_size = world_size
         self.backend = pick_backend(world_size)
         context = mp.get_context("spawn")
@@ -105,6 +126,8 @@ class RankPool:
                     world_size,
                     self.backend,
                     self._store.port,
+                    group_timeout_s,
+                    dict(env or {}),
                     self._inboxes[rank],
                     self._outbox,
                 ),

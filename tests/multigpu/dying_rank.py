@@ -1,0 +1,74 @@
+"""One rank of a group in which one rank dies, run as its own script (``python -m``), as a user's
+script would be: an uncaught exception goes through ``sys.excepthook`` and ends the process.
+
+The victim dies before or inside a forward (an uncaught exception, or SIGKILL); every other rank
+runs the forward and prints one JSON line: how its forward ended and how long it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tests.multigpu.cases import CaseSpec, build_layer, make_inputs
+
+SCENARIOS = ("raise_before", "raise_inside", "kill_before", "kill_inside")
+
+
+def die(how: str) -> None:
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("the application crashed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("rank", "world", "port", "victim"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    for name in ("scenario", "mode", "layout"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args()
+    store = dist.TCPStore("127.0.0.1", args.port, args.world + 1, is_master=False)
+    dist.init_process_group(
+        "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=60)
+    )
+    spec = CaseSpec(
+        experts="grouped_mm", mode=args.mode, layout=args.layout, num_experts=6, tokens=(5,) * 4
+    )
+    layer = build_layer(spec)
+    x, ids, weights = make_inputs(spec, args.rank)
+    layer(x, ids, weights)  # a forward that works: the group is up
+    how, when = args.scenario.split("_")
+    if args.rank == args.victim:
+        if when == "before":
+            die(how)
+        layer.experts.forward = lambda dispatched: die(how)
+        layer(x, ids, weights)  # raises after taking part in the combine
+        return
+    start = time.monotonic()
+    try:
+        layer(x, ids, weights)
+        ended = ("none", "")
+    except Exception as error:
+        ended = (type(error).__name__, str(error))
+    print(
+        json.dumps(
+            {
+                "rank": args.rank,
+                "error_type": ended[0],
+                "message": ended[1],
+                "seconds": time.monotonic() - start,
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
