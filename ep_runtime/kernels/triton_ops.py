@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ep_runtime.kernels.layout import (
     HEADER_BYTES,
@@ -110,6 +111,16 @@ def _row_block(length: int, element_size: int) -> tuple[int, int]:
     return block, warps
 
 
+def _stride_units(stride: int, element_size: int) -> tuple[int, int]:
+    """``(stride // unit, unit)`` for the largest unit of at most 16 bytes dividing ``stride``.
+    A kernel computing ``row · units · UNIT`` (``UNIT`` a constexpr) knows rows start 16-byte
+    aligned and vectorises; Triton only marks integer arguments divisible by 16 elements."""
+    unit = max(1, 16 // element_size)
+    while stride % unit:
+        unit //= 2
+    return stride // unit, unit
+
+
 def _capacity_arg(chunks: ChunkLayout) -> int:
     """The chunk layout for a kernel: capacity, or -1 for exact sizes."""
     return -1 if chunks.capacity is None else chunks.capacity
@@ -131,6 +142,12 @@ def _rounded(x, dtype: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def _exp(x):
+    """Full-precision fp32 exp (libdevice), as torch's; numpy's under the interpreter."""
+    return tl.exp(x) if INTERPRET else libdevice.exp(x)
 
 
 @triton.jit
@@ -204,13 +221,15 @@ def _route_kernel(
         if DROP:
             out_of_range = (ids < -1) | (ids >= num_experts)
             ids = tl.where(out_of_range, -1, ids)
+        ids = ids.to(tl.int32)  # in range after the drop (as the twin's cast otherwise)
+        if DROP:
             # slot k repeats an id of an earlier slot j < k: [BT, KP (k), KP (j)]
             same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
             same = same & (k[None, None, :] < k[None, :, None])
             repeated = tl.max(same.to(tl.int32), axis=2) > 0
             ids = tl.where(repeated, -1, ids)
             dropped_lanes += tl.sum((out_of_range | repeated).to(tl.int32), axis=1)
-        tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids.to(tl.int32), mask=tk_ok)
+        tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
         owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)
         hit = (owner[:, :, None] == w[None, None, :]) & (w[None, None, :] < world)  # [BT,KP,WP]
         hit = hit.to(tl.int32)
@@ -304,7 +323,7 @@ def route_tokens(
 @triton.jit
 def _pack_kernel(
     x,  # [T, H] compute dtype
-    x_stride_t,
+    x_rows,  # row stride in units of X_UNIT elements
     x_stride_h,
     weights,  # [T, K] float
     weights_stride_t,
@@ -319,8 +338,7 @@ def _pack_kernel(
     send_hidden,  # [S, row_bytes / itemsize] view of the send buffer
     send_words,  # [S, row_bytes / 4] int32 view
     send_floats,  # [S, row_bytes / 4] fp32 view
-    row_elements,
-    row_words,
+    row_units,  # row_bytes / 16
     hidden_size,
     top_k,
     max_k,
@@ -333,6 +351,8 @@ def _pack_kernel(
     weights_word,
     header_elements,  # hidden elements the header overlays in a chunk's first row
     POISON: tl.constexpr,
+    X_UNIT: tl.constexpr,
+    ROW_UNIT: tl.constexpr,  # elements of 16 bytes
     BLOCK_H: tl.constexpr,
 ):
     """Program (row, block of H): maps its send row to (chunk, slot) and writes the row's hidden
@@ -355,11 +375,13 @@ def _pack_kernel(
     row64 = row.to(tl.int64)
     h = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden_size
-    values = tl.load(x + token * x_stride_t + h * x_stride_h, mask=in_row & is_token, other=0.0)
+    values = tl.load(
+        x + token * x_rows * X_UNIT + h * x_stride_h, mask=in_row & is_token, other=0.0
+    )
     if POISON:  # filler hidden: NaN (the load's 0 otherwise); fp32 → dtype is exact here
         values = tl.where(is_token, values.to(tl.float32), float("nan"))
     keep = in_row & ~(is_header & (h < header_elements))  # the header's bytes are its own
-    tl.store(send_hidden + row64 * row_elements + h, values, mask=keep)
+    tl.store(send_hidden + row64 * row_units * ROW_UNIT + h, values, mask=keep)
     if block == 0:
         k = tl.arange(0, KP)
         slot_ok = is_token & (k < top_k)
@@ -367,7 +389,7 @@ def _pack_kernel(
         slot_weights = tl.load(
             weights + token * weights_stride_t + k * weights_stride_k, mask=slot_ok, other=0.0
         ).to(tl.float32)
-        words = row64 * row_words
+        words = row64 * row_units * 4
         tl.store(send_words + words + ids_word + k, slot_ids, mask=k < max_k)
         tl.store(send_floats + words + weights_word + k, slot_weights, mask=k < max_k)
         f = tl.arange(0, HINTS)
@@ -395,9 +417,10 @@ def pack_rows(
     itemsize = row_format.dtype.itemsize
     block, warps = _row_block(hidden_size, itemsize)
     grid = (num_rows, triton.cdiv(hidden_size, block))
+    x_rows, x_unit = _stride_units(x.stride(0), itemsize)
     _pack_kernel[grid](
         x,
-        x.stride(0),
+        x_rows,
         x.stride(1),
         topk_weights,
         topk_weights.stride(0),
@@ -412,8 +435,7 @@ def pack_rows(
         send.view(row_format.dtype),
         send.view(torch.int32),
         send.view(torch.float32),
-        row_bytes // itemsize,
-        row_bytes // 4,
+        row_bytes // 16,
         hidden_size,
         top_k=top_k,
         max_k=row_format.max_top_k,
@@ -426,6 +448,8 @@ def pack_rows(
         weights_word=row_format.weights_offset // 4,
         header_elements=-(-HEADER_BYTES // itemsize),
         POISON=poison,
+        X_UNIT=x_unit,
+        ROW_UNIT=16 // itemsize,
         BLOCK_H=block,
         num_warps=warps,
     )
@@ -597,7 +621,7 @@ def _group_place_kernel(
 @triton.jit
 def _group_gather_kernel(
     hidden,  # [R, H]
-    hidden_stride_r,
+    hidden_rows,  # row stride in units of UNIT elements
     hidden_stride_h,
     topk_ids,  # [R, K] int32
     ids_stride_r,
@@ -611,9 +635,12 @@ def _group_gather_kernel(
     out_weights,  # [N] fp32
     out_ids,  # [N] int32
     hidden_size,
+    out_rows,  # H in units of OUT_UNIT elements
     top_k,
     num_local,
     POISON: tl.constexpr,
+    UNIT: tl.constexpr,
+    OUT_UNIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Program (grouped row, block of H): copies its source row's block; padding rows (past
@@ -628,9 +655,9 @@ def _group_gather_kernel(
     h = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden_size
     values = tl.load(
-        hidden + src64 * hidden_stride_r + h * hidden_stride_h, mask=in_row & valid, other=0.0
+        hidden + src64 * hidden_rows * UNIT + h * hidden_stride_h, mask=in_row & valid, other=0.0
     )
-    dest = out_hidden + row.to(tl.int64) * hidden_size + h
+    dest = out_hidden + row.to(tl.int64) * out_rows * OUT_UNIT + h
     if POISON:
         tl.store(dest, tl.where(valid, values.to(tl.float32), float("nan")), mask=in_row)
     else:
@@ -698,9 +725,11 @@ def group_rows(
     )
     if num_rows:
         block, warps = _row_block(hidden_size, hidden.element_size())
+        hidden_rows, unit = _stride_units(hidden.stride(0), hidden.element_size())
+        out_rows, out_unit = _stride_units(hidden_size, hidden.element_size())
         _group_gather_kernel[(num_rows, triton.cdiv(hidden_size, block))](
             hidden,
-            hidden.stride(0),
+            hidden_rows,
             hidden.stride(1),
             *ids_args,
             topk_weights,
@@ -712,9 +741,12 @@ def group_rows(
             out_weights,
             out_ids,
             hidden_size,
+            out_rows,
             top_k,
             num_local,
             POISON=poison,
+            UNIT=unit,
+            OUT_UNIT=out_unit,
             BLOCK_H=block,
             num_warps=warps,
         )
@@ -725,24 +757,27 @@ def group_rows(
 @triton.jit
 def _activation_kernel(
     h,  # [N, 2I] ([gate | up]) or [N, I]
-    h_stride_n,
+    h_rows,  # row stride in units of H_UNIT elements
     h_stride_i,
     weights,  # [N] fp32
     out,  # [N, I], contiguous
-    width,  # I
+    width_units,  # I in units of W_UNIT elements
     GATED: tl.constexpr,
+    H_UNIT: tl.constexpr,
+    W_UNIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program (row, block of I): fp32 math, one rounding."""
     row = tl.program_id(0).to(tl.int64)
+    width = width_units * W_UNIT
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < width
-    first = h + row * h_stride_n + i * h_stride_i
+    first = h + row * h_rows * H_UNIT + i * h_stride_i
     weight = tl.load(weights + row)
     if GATED:
         gate = tl.load(first, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(first + width * h_stride_i, mask=ok, other=0.0).to(tl.float32)
-        activated = gate / (1.0 + tl.exp(-gate)) * up
+        activated = tl.math.div_rn(gate, 1.0 + _exp(-gate)) * up  # silu(gate)·up, as torch
     else:
         value = tl.load(first, mask=ok, other=0.0).to(tl.float32)
         relu = tl.where(value < 0.0, 0.0, value)  # NaN stays NaN, as torch.relu
@@ -764,14 +799,18 @@ def weighted_activation(
     out = torch.empty(num_rows, width, dtype=h.dtype, device=h.device)
     if num_rows and width:
         block, warps = _row_block(width, h.element_size())
+        h_rows, h_unit = _stride_units(h.stride(0), h.element_size())
+        width_units, w_unit = _stride_units(width, h.element_size())
         _activation_kernel[(num_rows, triton.cdiv(width, block))](
             h,
-            h.stride(0),
+            h_rows,
             h.stride(1),
             weights,
             out,
-            width,
+            width_units,
             GATED=gated,
+            H_UNIT=h_unit,
+            W_UNIT=w_unit,
             BLOCK=block,
             num_warps=warps,
         )
@@ -782,7 +821,7 @@ def weighted_activation(
 @triton.jit
 def _sum_kernel(
     source,  # [S, H]
-    source_stride_s,
+    source_rows,  # row stride in units of SOURCE_UNIT elements
     source_stride_h,
     positions,  # [T, J] int32
     positions_stride_t,
@@ -791,15 +830,18 @@ def _sum_kernel(
     counts_stride,
     failed,  # 0-d int (with HAS_FAILED)
     out,  # [T, H]
-    out_stride_t,
+    out_rows,  # row stride in units of OUT_UNIT elements
     out_stride_h,
     num_sources,
     hidden_size,
     num_terms,  # J
-    CHUNKED: tl.constexpr,
     header_rows,
     capacity,  # -1: exact chunk sizes
+    CHUNKED: tl.constexpr,
     HAS_FAILED: tl.constexpr,
+    SOURCE_UNIT: tl.constexpr,
+    OUT_UNIT: tl.constexpr,
+    JB: tl.constexpr,  # terms per step, unrolled: their loads are in flight together
     BLOCK_H: tl.constexpr,
 ):
     """Program (output row, block of H): adds j = 0, 1, … in order in fp32, rounds once."""
@@ -807,24 +849,31 @@ def _sum_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden_size
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    base = tl.zeros([], dtype=tl.int64) + header_rows  # first token row of chunk j
-    for j in range(0, num_terms):
-        position = tl.load(positions + t * positions_stride_t + j * positions_stride_j)
-        used = (position >= 0) & (num_sources > 0)
-        src = position.to(tl.int64)
-        if CHUNKED:
-            src += base
-            if capacity >= 0:
-                base += header_rows + capacity
-            else:
-                base += tl.load(chunk_counts + j * counts_stride).to(tl.int64) + header_rows
-        values = tl.load(
-            source + src * source_stride_s + h * source_stride_h, mask=in_row & used, other=0.0
-        )
-        total += values.to(tl.float32)  # + 0.0 where unused: exact (total is never -0.0)
+    base = t * 0 + header_rows  # int64: first token row of chunk j
+    for first in range(0, num_terms, JB):
+        for step in tl.static_range(JB):
+            j = first + step
+            term = j < num_terms
+            at = positions + t * positions_stride_t + j * positions_stride_j
+            position = tl.load(at, mask=term, other=-1)
+            used = (position >= 0) & (num_sources > 0)
+            row = position.to(tl.int64)
+            if CHUNKED:
+                row += base
+                if capacity >= 0:
+                    base += header_rows + capacity
+                else:
+                    count = tl.load(chunk_counts + j * counts_stride, mask=term, other=0)
+                    base += count.to(tl.int64) + header_rows
+            values = tl.load(
+                source + row * source_rows * SOURCE_UNIT + h * source_stride_h,
+                mask=in_row & used,
+                other=0.0,
+            )
+            total += values.to(tl.float32)  # + 0.0 where unused: exact (total is never -0.0)
     if HAS_FAILED:
         total = tl.where(tl.load(failed) != 0, float("nan"), total)
-    dest = out + t * out_stride_t + h * out_stride_h
+    dest = out + t * out_rows * OUT_UNIT + h * out_stride_h
     tl.store(dest, _rounded(total, out.dtype.element_ty), mask=in_row)
 
 
@@ -843,34 +892,38 @@ def sum_rows(
     hidden_size = source.size(1)
     if out is None:
         out = torch.empty(num_out, hidden_size, dtype=source.dtype, device=source.device)
-    chunked = chunks is not None
-    if chunked:
+    if chunks is not None:
         assert chunk_counts is not None
     if num_out == 0 or hidden_size == 0:
         return out
     block, warps = _row_block(hidden_size, source.element_size())
-    counts = chunk_counts if chunk_counts is not None else positions
-    flag = failed if failed is not None else positions
+    source_rows, source_unit = _stride_units(source.stride(0), source.element_size())
+    out_rows, out_unit = _stride_units(out.stride(0), out.element_size())
+    counts = chunk_counts if chunk_counts is not None else positions  # unread without chunks
+    flag = failed if failed is not None else positions  # unread without ``failed``
     _sum_kernel[(num_out, triton.cdiv(hidden_size, block))](
         source,
-        source.stride(0),
+        source_rows,
         source.stride(1),
         positions,
         positions.stride(0),
         positions.stride(1),
         counts,
-        counts.stride(0) if chunked else 0,
+        counts.stride(0),
         flag,
         out,
-        out.stride(0),
+        out_rows,
         out.stride(1),
         source.size(0),
         hidden_size,
         num_terms,
-        CHUNKED=chunked,
-        header_rows=chunks.header_rows if chunks is not None else 0,
-        capacity=_capacity_arg(chunks) if chunks is not None else -1,
+        chunks.header_rows if chunks is not None else 0,
+        _capacity_arg(chunks) if chunks is not None else -1,
+        CHUNKED=chunks is not None,
         HAS_FAILED=failed is not None,
+        SOURCE_UNIT=source_unit,
+        OUT_UNIT=out_unit,
+        JB=min(4, _pow2(num_terms)),
         BLOCK_H=block,
         num_warps=warps,
     )
