@@ -74,7 +74,7 @@ __all__ = [
 def _fix_interpreter_scalars() -> None:
     """Triton 3.6's interpreter holds a scalar argument as a 1-element array and converts it with
     ``int(array)``, which NumPy ≥ 2.4 refuses: every loop bounded by a kernel argument fails.
-    Under the interpreter only, convert through ``.item()`` instead."""
+    Under the interpreter only, convert its one element instead."""
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
@@ -100,12 +100,12 @@ def _pow2(n: int) -> int:
 
 
 def _row_block(length: int, element_size: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for copying rows of ``length`` elements: one step per block, 16 bytes
-    per thread per access; above ``MAX_ROW_BLOCK`` the power of two (≥ 512) wasting least."""
+    """(BLOCK, num_warps) for programs that each copy BLOCK elements of a row (16 bytes per
+    thread per access); above ``MAX_ROW_BLOCK``, the power of two (≥ 512) wasting least."""
     if length <= MAX_ROW_BLOCK:
         block = _pow2(length)
     else:
-        candidates = [b for b in (MAX_ROW_BLOCK, MAX_ROW_BLOCK // 2, MAX_ROW_BLOCK // 4)]
+        candidates = (MAX_ROW_BLOCK, MAX_ROW_BLOCK // 2, MAX_ROW_BLOCK // 4)
         block = min(candidates, key=lambda b: (-(-length // b) * b - length, -b))
     warps = max(1, min(8, block * element_size // 512))
     return block, warps
@@ -288,7 +288,8 @@ def route_tokens(
     dest_slot = torch.empty(num_tokens, world_size, dtype=torch.int32, device=device)
     token_of = torch.empty(world_size, num_tokens, dtype=torch.int32, device=device)
     kp, wp = _pow2(top_k), _pow2(world_size)
-    block = max(8, min(128, TILE_ELEMENTS // (kp * max(kp, wp)), _pow2(num_tokens)))
+    # one program walks all tokens: big steps (fewer serial iterations), 8 warps to hold them
+    block = max(8, min(256, 2 * TILE_ELEMENTS // (kp * max(kp, wp)), _pow2(num_tokens)))
     _route_kernel[(1,)](
         topk_ids,
         topk_ids.stride(0),
@@ -314,7 +315,7 @@ def route_tokens(
         WP=wp,
         BT=_pow2(block),
         DROP=drop_invalid,
-        num_warps=4,
+        num_warps=8,
     )
     return Route(ids, dest_slot, token_of, header_out)
 
