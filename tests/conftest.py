@@ -12,6 +12,12 @@ import torch
 # is a refusal (skipped with its reason), even where a test names the backend.
 os.environ.setdefault("EP_RUNTIME_FLASHINFER_CUTLASS_JIT", "0")
 
+# Without a GPU the Triton kernels are tested under Triton's interpreter (tests/test_kernels.py).
+# It must be on before triton is first imported: triton.language builds its own jit functions
+# (tl.sum, tl.cumsum, …) at import, as interpreted or compiled functions.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # Skips this machine may show, by reason. Any other skip fails the session: a broken probe that
 # refuses a backend which should run here turns CI red instead of quietly skipping.
