@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ from ep_runtime.launch.supervision import (
     window_closed,
 )
 from ep_runtime.launch.torchrun import env_rank
+from tests.processes import alive, cpu_seconds, descendants
 
 CPU = torch.device("cpu")
 TINY = PRESETS["tiny"]
@@ -387,3 +389,50 @@ def test_rank_validation_fails_a_layer_that_applies_weights_twice():
     finally:
         worker.shutdown()
         torch.set_num_threads(threads)
+
+
+# spawn launcher: signals ------------------------------------------------------------------------
+def _spawn_ranks(run) -> list[int]:
+    """The launcher's rank processes (multiprocessing spawn children; not its resource tracker)."""
+    tree = descendants(run.process.pid)
+    return [pid for pid, cmd in tree.items() if "spawn_main" in cmd]
+
+
+def _ranks_busy(run, count: int, cpu_s: float = 3.0):
+    """Predicate: ``count`` ranks exist and each has used ``cpu_s`` of CPU (torch imported and
+    the process group up: it is in its timed loop by then)."""
+
+    def predicate(tree: dict[int, str]) -> bool:
+        ranks = [pid for pid, cmd in tree.items() if "spawn_main" in cmd]
+        return len(ranks) >= count and all(cpu_seconds(pid) >= cpu_s for pid in ranks)
+
+    return predicate
+
+
+def test_spawn_ctrl_c_to_the_process_group_exits_130_and_stops_every_rank(launcher_runs):
+    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group."""
+    run = launcher_runs("--launcher", "spawn", "--dp", "2", "--iters", "1000000")
+    assert run.watch_until(_ranks_busy(run, 2), timeout=120), "ranks never got going"
+    ranks = _spawn_ranks(run)
+    os.killpg(run.process.pid, signal.SIGINT)  # the run is its own process group
+    interrupted_at = time.monotonic()
+    code, output = run.finish(timeout=60)
+    assert time.monotonic() - interrupted_at < 10
+    assert code == EXIT_INTERRUPTED, output
+    assert "interrupted" in output and "KeyboardInterrupt" not in output
+    assert len(ranks) == 2 and not alive(ranks)
+    run.assert_nothing_left()
+
+
+def test_spawn_launcher_killed_leaves_no_rank_behind(launcher_runs):
+    """SIGKILL gives the launcher no chance to clean up: the ranks must go by themselves."""
+    run = launcher_runs("--launcher", "spawn", "--dp", "2", "--iters", "1000000")
+    assert run.watch_until(_ranks_busy(run, 2), timeout=120), "ranks never got going"
+    ranks = _spawn_ranks(run)
+    run.process.kill()
+    run.process.wait(10)
+    deadline = time.monotonic() + 10
+    while alive(ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(ranks) == 2 and not alive(ranks), f"ranks alive 10 s later: {alive(ranks)}"
+    run.assert_nothing_left()

@@ -184,11 +184,20 @@ def reserve_bundles(device: str, world_size: int):
     return group, bundle
 
 
-def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
+def supervise(refs: Sequence, where: str, timeout_s: float, abandoned: list | None = None) -> list:
     """Results of ``refs[rank]``; on failure, collect failures until the cause is known (see
-    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step."""
+    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step.
+    Calls still unanswered when it raises are appended to ``abandoned`` (see ``settle``)."""
     pending = {ref: rank for rank, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
+    try:
+        return _supervise(pending, where, timeout_s)
+    finally:
+        if abandoned is not None:
+            abandoned.extend(pending)
+
+
+def _supervise(pending: dict, where: str, timeout_s: float) -> list:
+    results: list = [None] * len(pending)
     failures: list[Failure] = []
     deadline = time.monotonic() + timeout_s
     first_failure_at = 0.0
@@ -231,6 +240,7 @@ def run_with_ray(
     session = RaySession(address)
     group = None
     actors: list = []
+    abandoned: list = []  # calls left unanswered when the run ended
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         device = resolve_device(spec.device, spec.world_size, gpus, "the cluster")
@@ -252,13 +262,17 @@ def run_with_ray(
                 for index in range(spec.world_size)
             ]
             progress.status("starting rank actors")
-            metas = supervise([a.meta.remote() for a in actors], "start-up", spec.timeout_s * 3)
+            metas = supervise(
+                [a.meta.remote() for a in actors], "start-up", spec.timeout_s * 3, abandoned
+            )
             order = rank_order(metas)
             actors, metas = [actors[i] for i in order], [metas[i] for i in order]
             spans_nodes = len({m["node_id"] for m in metas}) > 1
             host = metas[0]["ip"] if spans_nodes else "127.0.0.1"
             progress.status("rendezvous")
-            [port] = supervise([actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s)
+            [port] = supervise(
+                [actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s, abandoned
+            )
             supervise(
                 [
                     a.start.remote(
@@ -268,8 +282,9 @@ def run_with_ray(
                 ],
                 "process group init",
                 spec.timeout_s * 2,
+                abandoned,
             )
-            summaries = run_steps(actors, steps, spec, progress)
+            summaries = run_steps(actors, steps, spec, progress, abandoned)
         with contextlib.suppress(Exception):
             ray.get([a.shutdown.remote() for a in actors], timeout=10)
         return spec, summaries
@@ -277,10 +292,20 @@ def run_with_ray(
         for actor in actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        settle(abandoned)
         if group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
         session.close()
+
+
+def settle(refs: list, budget_s: float = 2.0) -> None:
+    """Fetch and drop the outcome of calls abandoned when the run ended (their actors are
+    killed by now), so Ray does not print each one as an "Unhandled error" at exit."""
+    deadline = time.monotonic() + budget_s
+    for ref in refs:
+        with contextlib.suppress(Exception):
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def rank_order(metas: list[dict]) -> list[int]:
@@ -292,13 +317,14 @@ def rank_order(metas: list[dict]) -> list[int]:
     )
 
 
-def run_steps(actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress) -> list[dict]:
+def run_steps(
+    actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress, abandoned: list
+) -> list[dict]:
     """Each step on every rank at once, supervised; the last step's results are the summaries."""
     step_timeout = spec.timeout_s * 10  # collectives time out long before; guards local hangs
     results: list = []
     for step in steps:
-        results = supervise(
-            [a.step.remote(step.method, step.args) for a in actors], step.label, step_timeout
-        )
+        calls = [a.step.remote(step.method, step.args) for a in actors]
+        results = supervise(calls, step.label, step_timeout, abandoned)
         progress.done(step)
     return results
