@@ -37,10 +37,14 @@ from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
     FailureKind,
+    classify_exception_text,
+    exception_messages,
     root_failure,
+    usage_error_line,
     window_closed,
 )
 from ep_runtime.launch.torchrun import env_rank
+from ep_runtime.types import BackendUnavailableError, EPInputError
 from tests.processes import alive, cpu_seconds, descendants
 
 CPU = torch.device("cpu")
@@ -206,6 +210,53 @@ def test_root_failure_blames_the_silent_rank_when_peers_only_timed_out():
     echo = Failure(0, FailureKind.COMMUNICATION, "gloo: Timed out waiting 5000ms", 0)
     error = root_failure([echo], "step x", still_running=[1])
     assert error.rank == 1 and "hung" in error.where and "Timed out" in str(error)
+
+
+# a rank's own gloo set-up error and a peer's echo, as Ray's str(RayTaskError) shows them
+OWN_SETUP_ERROR = """ray::RankActor.start() (pid=15509, ip=10.213.7.2, actor_id=dcbf4b2)
+  File "/repo/ep_runtime/launch/rank.py", line 151, in init_process_group
+    dist.init_process_group(**options)
+  File "/venv/torch/distributed/distributed_c10d.py", line 2169, in _new_process_group_helper
+    backend_class = ProcessGroupGloo(
+                    ^^^^^^^^^^^^^^^^^
+RuntimeError: [enforce fail at gloo/transport/tcp/device.cc:84] ifa != nullptr. Unable to find \
+address for: eth0"""
+PEER_ECHO = """ray::RankActor.step() (pid=15510, ip=10.213.7.1, actor_id=aa01)
+  File "/repo/ep_runtime/launch/rank.py", line 222, in run_iters
+    dispatched, t_dispatch = clock.time(
+  File "/venv/torch/distributed/distributed_c10d.py", line 4410, in all_to_all_single
+    work = group.alltoall_base(
+RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [10.213.7.2]:41235: Connection reset \
+by peer"""
+
+
+def test_a_ranks_own_setup_error_is_not_taken_for_an_echo():
+    """Every gloo set-up traceback passes through ``ProcessGroupGloo(``: only the exception's
+    message decides (issue 15: rank 0 was blamed for host B's missing interface)."""
+    assert "ProcessGroupGloo" in OWN_SETUP_ERROR
+    assert classify_exception_text(OWN_SETUP_ERROR) is FailureKind.RAISED
+    assert classify_exception_text(PEER_ECHO) is FailureKind.COMMUNICATION
+    assert "ProcessGroupGloo" not in exception_messages(OWN_SETUP_ERROR)
+    assert "Unable to find" in exception_messages(OWN_SETUP_ERROR)
+    chained = f"{OWN_SETUP_ERROR}\n\nThe above exception was the direct cause of:\n\n{PEER_ECHO}"
+    assert classify_exception_text(chained) is FailureKind.COMMUNICATION  # any message counts
+    failures = [
+        Failure(3, classify_exception_text(OWN_SETUP_ERROR), OWN_SETUP_ERROR, 0),
+        Failure(0, FailureKind.COMMUNICATION, "gloo: Timed out waiting 30000ms", 1),
+    ]
+    error = root_failure(failures, "step process group init", still_running=[1, 2])
+    assert error.rank == 3 and error.where == "raised during step process group init"
+
+
+def test_usage_errors_become_one_line():
+    assert usage_error_line(EPInputError("hidden_size", "a positive int", 0)) == (
+        "EPInputError: hidden_size: expected a positive int, given 0"
+    )
+    refusal = BackendUnavailableError("dispatcher", "nope", {"nope": "unknown", "x": "no GPU"})
+    line = usage_error_line(refusal)
+    assert "\n" not in line and line.startswith("BackendUnavailableError: no dispatcher backend")
+    assert "nope: unknown" in line and "x: no GPU" in line
+    assert usage_error_line(RuntimeError("a bug")) is None
 
 
 def test_failure_window_waits_only_while_just_echoes_are_known():

@@ -143,6 +143,9 @@ class TwoHosts:
             if host.holder is not None:
                 host.holder.wait(10)
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, timeout=30)
+            # a set-up that failed before moving the veth pair leaves it here; deleting one end
+            # deletes both
+            subprocess.run(["ip", "link", "del", host.interface], capture_output=True, timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
