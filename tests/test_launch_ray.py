@@ -46,6 +46,28 @@ def _running_ranks(count: int):
     return predicate
 
 
+def test_driver_forwards_settings_but_not_a_nodes_network(monkeypatch):
+    """The driver's interface variables describe its own node: they must not override what
+    another node set (issue 15); its other NCCL/gloo settings still reach every rank."""
+    from ep_runtime.launch.ray_driver import propagated_env
+
+    for key, value in {
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "=eth0",
+        "TP_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_HCA": "mlx5_0",
+        "NCCL_DEBUG": "INFO",
+        "EP_RUNTIME_X": "1",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }.items():
+        monkeypatch.setenv(key, value)
+    forwarded = propagated_env()
+    assert forwarded["NCCL_DEBUG"] == "INFO" and forwarded["EP_RUNTIME_X"] == "1"
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA",
+                "CUDA_VISIBLE_DEVICES"):  # fmt: skip
+        assert key not in forwarded
+
+
 # runs -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("dp", "extra"),
