@@ -148,11 +148,14 @@ class RaySession:
                 ray.init(address=address, logging_level="WARNING")
         except (ConnectionError, RuntimeError, ValueError) as error:
             self.close()
-            expected = "a private local cluster" if self.owns_cluster else "a running Ray cluster"
-            reason = " ".join(str(error).split())
-            raise LaunchError(
-                f"--address {address}: expected {expected}, given none ({reason})"
-            ) from None
+            reason = " ".join(str(error).split())  # one line
+            if self.owns_cluster:
+                message = f"--address local: a private Ray cluster did not start ({reason})"
+            else:
+                message = (
+                    f"--address {address}: expected a running Ray cluster, given none ({reason})"
+                )
+            raise LaunchError(message) from None
         install_stop_handlers()  # ray.init replaced the SIGTERM handler
 
     def close(self) -> None:
