@@ -398,6 +398,19 @@ def test_spawn_failure_ends_run_naming_the_rank(tmp_path, capsys, kind):
         assert time.time() - failed_at < 10
 
 
+def test_spawn_rank_rejecting_its_input_is_one_line_exit_2(tmp_path, capsys):
+    code, report, _ = _run_spawn(tmp_path, "--dp", "2", "--inject-failure", "1:input:0")
+    out = capsys.readouterr().out
+    assert code == EXIT_USAGE, out
+    line = (
+        "error: rank 1 raised during the run: EPInputError: topk_ids: expected ids in [-1, 16), "
+        "given id 16 (injected on rank 1)"
+    )
+    assert [text for text in out.splitlines() if "rank 1" in text] == [line]
+    assert "Traceback" not in out
+    assert report["failed_rank"] == 1 and report["usage_error"].startswith("EPInputError")
+
+
 def test_torchrun_runs_the_same_rank_code(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
