@@ -68,6 +68,10 @@ class EPInputError(ValueError):
         self.given = given
         super().__init__(f"{argument}: expected {expected}, given {given}")
 
+    def __reduce__(self) -> tuple:
+        """Unpickle through ``__init__`` (Ray and multiprocessing send errors between ranks)."""
+        return type(self), (self.argument, self.expected, self.given), self.__dict__
+
 
 class BackendUnavailableError(RuntimeError):
     """No backend (or not the requested one) can run here; lists each refusal with its reason."""
@@ -79,6 +83,10 @@ class BackendUnavailableError(RuntimeError):
         lines = "\n".join(f"  - {name}: {reason}" for name, reason in refusals.items())
         super().__init__(f"no {kind} backend available for {requested!r}:\n{lines}")
 
+    def __reduce__(self) -> tuple:
+        """Unpickle through ``__init__`` (Ray and multiprocessing send errors between ranks)."""
+        return type(self), (self.kind, self.requested, self.refusals), self.__dict__
+
 
 class RemoteRankError(RuntimeError):
     """Another rank failed during a forward this rank took part in."""
@@ -88,9 +96,17 @@ class RemoteRankError(RuntimeError):
         self.reason = reason
         super().__init__(f"rank {rank} failed: {reason}")
 
+    def __reduce__(self) -> tuple:
+        """Unpickle through ``__init__`` (Ray and multiprocessing send errors between ranks)."""
+        return type(self), (self.rank, self.reason), self.__dict__
+
 
 class ClosedError(RuntimeError):
     """A layer or dispatcher was used after ``close()``."""
+
+    def __reduce__(self) -> tuple:
+        """Unpickle with the same message (Ray and multiprocessing send errors between ranks)."""
+        return type(self), self.args, self.__dict__
 
 
 class ForwardMismatchError(RuntimeError):
@@ -106,5 +122,6 @@ class ForwardMismatchError(RuntimeError):
             "repeated a forward, or the ranks call layers in different orders"
         )
 
-    def __reduce__(self):
-        return (type(self), (self.differing, self.here))
+    def __reduce__(self) -> tuple:
+        """Unpickle through ``__init__`` (Ray and multiprocessing send errors between ranks)."""
+        return type(self), (self.differing, self.here), self.__dict__

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
+from tests.processes import Run
 
 # Never start FlashInfer's CUTLASS JIT build (over 18 minutes) from a test: an unbuilt module
 # is a refusal (skipped with its reason), even where a test names the backend.
@@ -25,6 +28,8 @@ EXPECTED_SKIPS_WITHOUT_CUDA = [
     r"expected refusal: .*runs on \['cuda'\], not cpu",
     r"no CUDA device",
     r"needs a CUDA device",
+    # tests/test_launch_multihost.py off CI (CI runs as root, with iproute2 and util-linux)
+    r"cannot simulate two hosts here: network namespaces need (root|Linux|the '\w+' command)",
 ]
 EXPECTED_SKIPS_WITH_CUDA = [
     *EXPECTED_SKIPS_WITHOUT_CUDA,  # world sizes beyond the GPU count fall back to gloo ranks
@@ -40,6 +45,21 @@ EXPECTED_SKIPS_WITH_CUDA = [
 ]
 
 _skips: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def launcher_runs() -> Iterator[Callable[..., Run]]:
+    """``launcher_runs(*args)`` starts ``python -m ep_runtime.launch`` as a ``Run``; at teardown
+    every process each run was seen to start is killed, even when the test failed half-way."""
+    runs: list[Run] = []
+
+    def start(*args: str, **options) -> Run:
+        runs.append(Run(*args, **options))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +27,9 @@ from ep_runtime.bench.metrics import (
     imbalance,
 )
 from ep_runtime.bench.timing import max_over_ranks_stats
-from ep_runtime.launch import workload
-from ep_runtime.launch.cli import EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
+from ep_runtime.dispatch import DISPATCHERS
+from ep_runtime.launch import cli, workload
+from ep_runtime.launch.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.rank import RankWorker
 from ep_runtime.launch.spec import FailureInjection, LaunchError, RunSpec
@@ -35,47 +37,54 @@ from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
     FailureKind,
+    classify_exception_text,
+    exception_messages,
     root_failure,
+    usage_error_line,
     window_closed,
 )
 from ep_runtime.launch.torchrun import env_rank
+from ep_runtime.types import BackendUnavailableError, EPInputError
+from tests.processes import alive, cpu_seconds, descendants
 
 CPU = torch.device("cpu")
 TINY = PRESETS["tiny"]
+TINY_CONFIG = TINY.moe_config()
 REPO = Path(__file__).resolve().parents[1]
 
 
 # workload ---------------------------------------------------------------------------------------
 def test_expert_weights_depend_on_seed_and_expert_only():
-    w13, w2 = workload.expert_weights(TINY, 3, 7, CPU, torch.float32)
-    again13, again2 = workload.expert_weights(TINY, 3, 7, CPU, torch.float32)
+    w13, w2 = workload.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
+    again13, again2 = workload.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
     assert torch.equal(w13, again13) and torch.equal(w2, again2)
     assert w13.shape == (2 * TINY.intermediate_size, TINY.hidden_size)
     assert w2.shape == (TINY.hidden_size, TINY.intermediate_size)
-    assert not torch.equal(w13, workload.expert_weights(TINY, 4, 7, CPU, torch.float32)[0])
-    assert not torch.equal(w13, workload.expert_weights(TINY, 3, 8, CPU, torch.float32)[0])
+    assert not torch.equal(w13, workload.expert_weights(TINY_CONFIG, 4, 7, CPU, torch.float32)[0])
+    assert not torch.equal(w13, workload.expert_weights(TINY_CONFIG, 3, 8, CPU, torch.float32)[0])
 
 
 def test_rank_shard_equals_slice_of_global_weights():
     world, rank = 4, 2
-    num_local = TINY.num_experts // world
     full13, full2 = workload.stacked_expert_weights(
-        TINY, list(range(TINY.num_experts)), 0, CPU, torch.bfloat16
+        TINY_CONFIG, list(range(TINY.num_experts)), 0, CPU, torch.bfloat16
     )
-    local = list(range(rank * num_local, (rank + 1) * num_local))
-    shard13, shard2 = workload.stacked_expert_weights(TINY, local, 0, CPU, torch.bfloat16)
-    assert torch.equal(shard13, full13[local[0] : local[-1] + 1])
-    assert torch.equal(shard2, full2[local[0] : local[-1] + 1])
+    local = workload.local_experts(TINY_CONFIG, rank, world)
+    assert local == [8, 9, 10, 11]  # 16 experts over 4 ranks: rank 2 owns the third quarter
+    shard13, shard2 = workload.stacked_expert_weights(TINY_CONFIG, local, 0, CPU, torch.bfloat16)
+    assert torch.equal(shard13, full13[8:12])
+    assert torch.equal(shard2, full2[8:12])
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "nemotron-3-nano"])
 def test_sampled_reference_equals_full_reference(model_name):
     """Chunked regeneration (3 experts at a time) gives the oracle's answer on the sample."""
     model = preset_by_name(model_name).with_overrides(hidden_size=32, intermediate_size=16)
-    x = workload.rank_hidden_states(model, 1, 24, 5, CPU, torch.float32)
+    config = model.moe_config()
+    x = workload.rank_hidden_states(config, 1, 24, 5, CPU, torch.float32)
     ids, weights = workload.rank_routing(model, 1, 24, 5, CPU)
     full13, full2 = workload.stacked_expert_weights(
-        model, list(range(model.num_experts)), 5, CPU, torch.float32
+        config, list(range(model.num_experts)), 5, CPU, torch.float32
     )
     expected = reference_moe(x, ids, weights, full13, full2, activation=model.activation)
     got, _, touched = workload.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
@@ -88,14 +97,14 @@ def test_sampled_reference_equals_full_reference(model_name):
 def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypatch):
     """DeepSeek-V3 routing (256 experts): never more than one chunk of experts resident."""
     model = PRESETS["deepseek-v3"].with_overrides(hidden_size=16, intermediate_size=8)
-    x = workload.rank_hidden_states(model, 0, 16, 0, CPU, torch.bfloat16)
+    x = workload.rank_hidden_states(model.moe_config(), 0, 16, 0, CPU, torch.bfloat16)
     ids, weights = workload.rank_routing(model, 0, 16, 0, CPU)
     built: list[list[int]] = []
     original = workload.stacked_expert_weights
 
-    def recording(model_, experts, *args):
+    def recording(config, experts, *args):
         built.append(list(experts))
-        return original(model_, experts, *args)
+        return original(config, experts, *args)
 
     monkeypatch.setattr(workload, "stacked_expert_weights", recording)
     _, _, touched = workload.sampled_reference(model, x, ids, weights, 0)
@@ -105,10 +114,10 @@ def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypat
 
 
 def test_deepseek_v3_rank_shard_is_an_eighth_at_ep8():
-    model = PRESETS["deepseek-v3"]
+    config = PRESETS["deepseek-v3"].moe_config()
     per_expert = (2 * 2048 + 2048) * 7168 * 2  # w13 [4096, 7168] + w2 [7168, 2048], bf16
-    assert workload.shard_weight_bytes(model, 8, torch.bfloat16) == 32 * per_expert
-    assert workload.shard_weight_bytes(model, 1, torch.bfloat16) == 256 * per_expert  # 22.5 GB
+    assert workload.shard_weight_bytes(config, 8, torch.bfloat16) == 32 * per_expert
+    assert workload.shard_weight_bytes(config, 1, torch.bfloat16) == 256 * per_expert  # 22.5 GB
 
 
 def test_validation_sample_is_deterministic_and_sorted():
@@ -203,6 +212,53 @@ def test_root_failure_blames_the_silent_rank_when_peers_only_timed_out():
     assert error.rank == 1 and "hung" in error.where and "Timed out" in str(error)
 
 
+# a rank's own gloo set-up error and a peer's echo, as Ray's str(RayTaskError) shows them
+OWN_SETUP_ERROR = """ray::RankActor.start() (pid=15509, ip=10.213.7.2, actor_id=dcbf4b2)
+  File "/repo/ep_runtime/launch/rank.py", line 151, in init_process_group
+    dist.init_process_group(**options)
+  File "/venv/torch/distributed/distributed_c10d.py", line 2169, in _new_process_group_helper
+    backend_class = ProcessGroupGloo(
+                    ^^^^^^^^^^^^^^^^^
+RuntimeError: [enforce fail at gloo/transport/tcp/device.cc:84] ifa != nullptr. Unable to find \
+address for: eth0"""
+PEER_ECHO = """ray::RankActor.step() (pid=15510, ip=10.213.7.1, actor_id=aa01)
+  File "/repo/ep_runtime/launch/rank.py", line 222, in run_iters
+    dispatched, t_dispatch = clock.time(
+  File "/venv/torch/distributed/distributed_c10d.py", line 4410, in all_to_all_single
+    work = group.alltoall_base(
+RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [10.213.7.2]:41235: Connection reset \
+by peer"""
+
+
+def test_a_ranks_own_setup_error_is_not_taken_for_an_echo():
+    """Every gloo set-up traceback passes through ``ProcessGroupGloo(``: only the exception's
+    message decides (issue 15: rank 0 was blamed for host B's missing interface)."""
+    assert "ProcessGroupGloo" in OWN_SETUP_ERROR
+    assert classify_exception_text(OWN_SETUP_ERROR) is FailureKind.RAISED
+    assert classify_exception_text(PEER_ECHO) is FailureKind.COMMUNICATION
+    assert "ProcessGroupGloo" not in exception_messages(OWN_SETUP_ERROR)
+    assert "Unable to find" in exception_messages(OWN_SETUP_ERROR)
+    chained = f"{OWN_SETUP_ERROR}\n\nThe above exception was the direct cause of:\n\n{PEER_ECHO}"
+    assert classify_exception_text(chained) is FailureKind.COMMUNICATION  # any message counts
+    failures = [
+        Failure(3, classify_exception_text(OWN_SETUP_ERROR), OWN_SETUP_ERROR, 0),
+        Failure(0, FailureKind.COMMUNICATION, "gloo: Timed out waiting 30000ms", 1),
+    ]
+    error = root_failure(failures, "step process group init", still_running=[1, 2])
+    assert error.rank == 3 and error.where == "raised during step process group init"
+
+
+def test_usage_errors_become_one_line():
+    assert usage_error_line(EPInputError("hidden_size", "a positive int", 0)) == (
+        "EPInputError: hidden_size: expected a positive int, given 0"
+    )
+    refusal = BackendUnavailableError("dispatcher", "nope", {"nope": "unknown", "x": "no GPU"})
+    line = usage_error_line(refusal)
+    assert "\n" not in line and line.startswith("BackendUnavailableError: no dispatcher backend")
+    assert "nope: unknown" in line and "x: no GPU" in line
+    assert usage_error_line(RuntimeError("a bug")) is None
+
+
 def test_failure_window_waits_only_while_just_echoes_are_known():
     echo = Failure(0, FailureKind.COMMUNICATION, "Connection reset by peer", 0)
     cause = Failure(1, FailureKind.RAISED, "ValueError", 1)
@@ -231,15 +287,61 @@ def test_env_rank_reads_torchrun_then_slurm():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--dp", "3"], "not divisible by 3"),
-        (["--model", "llama"], "--model"),
-        (["--dp", "2", "--top-k", "17"], "--top-k"),
-        (["--dp", "2", "--inject-failure", "5:raise"], "inject-failure"),
+        (["--dp", "3"], "--dp: expected a divisor of the 16 experts of tiny, given 3"),
+        (["--model", "llama"], "--model: expected one of tiny, "),
+        (["--dp", "2", "--top-k", "17"], "--top-k: expected <= num_experts (16), given 17"),
+        (["--tokens", "-5"], "--tokens: expected >= 0, given -5"),
+        (["--iters", "-1"], "--iters: expected >= 0, given -1"),
+        (["--warmup", "-2"], "--warmup: expected >= 0, given -2"),
+        (["--hidden", "0"], "--hidden: expected a positive int, given 0"),
+        (["--activation", "relu2", "--intermediate", "-3"], "--intermediate: expected a positive"),
+        (["--timeout", "0"], "--timeout: expected > 0 seconds, given 0"),
+        (["--dispatcher", "nope"], "--dispatcher: expected one of auto, "),
+        (["--experts", "nope"], "--experts: expected one of auto, "),
+        (["--inject-failure", "5:raise"], "--inject-failure: expected a rank in [0, 2), given 5"),
+        (["--json", "/nonexistent-dir/r.json"], "--json: expected a writable file, given "),
+        (["--plot", "/"], "--plot: expected a writable file, given '/' (Is a directory)"),
     ],
 )
-def test_bad_arguments_exit_2_before_launching(argv, message, capsys):
+def test_bad_arguments_exit_2_with_one_line_before_launching(argv, message, capsys, monkeypatch):
+    def no_launch(*args):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(cli, "_launch", no_launch)
     assert main(["--launcher", "spawn", *argv]) == EXIT_USAGE
-    assert message in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"error: {message}"), out
+    assert out.count("\n") == 1, out  # one line
+
+
+def test_dispatcher_and_experts_names_come_from_the_registries(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_launch", lambda *args: pytest.fail("a run was started"))
+    main(["--launcher", "spawn", "--dispatcher", "nope"])
+    named = capsys.readouterr().out
+    for name in DISPATCHERS.names():
+        assert name in named
+
+
+def test_output_check_leaves_no_file_behind(tmp_path, monkeypatch):
+    """The writability probe creates the file only to delete it again (an existing file is
+    neither truncated nor deleted)."""
+    report, kept = tmp_path / "r.json", tmp_path / "keep.json"
+    kept.write_text("old")
+    monkeypatch.setattr(cli, "_launch", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["--launcher", "spawn", "--json", str(report)]) == EXIT_INTERRUPTED
+    assert not report.exists()
+    assert main(["--launcher", "spawn", "--json", str(kept)]) == EXIT_INTERRUPTED
+    assert kept.read_text() == "old"
+
+
+def test_every_option_has_help_text():
+    """``--help`` explains every option (argparse prints nothing for an option without help)."""
+    missing = [
+        action.option_strings
+        for action in cli.build_parser()._actions
+        if action.option_strings and not (action.help or "").strip()
+    ]
+    assert not missing
 
 
 def _run_spawn(tmp_path: Path, *extra: str) -> tuple[int, dict, float]:
@@ -274,7 +376,9 @@ def test_spawn_run_validates_every_rank_and_reports_hand_countable_facts(tmp_pat
         assert entry["rank"] == rank and entry["passed"]
         assert entry["received_rows"] == sum(row[rank] for row in traffic)
         assert entry["local_expert_counts"] == counts[rank * 4 : rank * 4 + 4]
-        assert entry["expert_weight_bytes"] == workload.shard_weight_bytes(model, 4, torch.float32)
+        assert entry["expert_weight_bytes"] == workload.shard_weight_bytes(
+            TINY_CONFIG, 4, torch.float32
+        )
         assert all(v["deterministic"] and v["validated_tokens"] == 64 for v in entry["validation"])
 
 
@@ -292,6 +396,19 @@ def test_spawn_failure_ends_run_naming_the_rank(tmp_path, capsys, kind):
     if kind == "raise":
         failed_at = float(re.search(r"at unix time ([0-9.]+)", out).group(1))
         assert time.time() - failed_at < 10
+
+
+def test_spawn_rank_rejecting_its_input_is_one_line_exit_2(tmp_path, capsys):
+    code, report, _ = _run_spawn(tmp_path, "--dp", "2", "--inject-failure", "1:input:0")
+    out = capsys.readouterr().out
+    assert code == EXIT_USAGE, out
+    line = (
+        "error: rank 1 raised during the run: EPInputError: topk_ids: expected ids in [-1, 16), "
+        "given id 16 (injected on rank 1)"
+    )
+    assert [text for text in out.splitlines() if "rank 1" in text] == [line]
+    assert "Traceback" not in out
+    assert report["failed_rank"] == 1 and report["usage_error"].startswith("EPInputError")
 
 
 def test_torchrun_runs_the_same_rank_code(tmp_path):
@@ -336,3 +453,50 @@ def test_rank_validation_fails_a_layer_that_applies_weights_twice():
     finally:
         worker.shutdown()
         torch.set_num_threads(threads)
+
+
+# spawn launcher: signals ------------------------------------------------------------------------
+def _spawn_ranks(run) -> list[int]:
+    """The launcher's rank processes (multiprocessing spawn children; not its resource tracker)."""
+    tree = descendants(run.process.pid)
+    return [pid for pid, cmd in tree.items() if "spawn_main" in cmd]
+
+
+def _ranks_busy(run, count: int, cpu_s: float = 3.0):
+    """Predicate: ``count`` ranks exist and each has used ``cpu_s`` of CPU (torch imported and
+    the process group up: it is in its timed loop by then)."""
+
+    def predicate(tree: dict[int, str]) -> bool:
+        ranks = [pid for pid, cmd in tree.items() if "spawn_main" in cmd]
+        return len(ranks) >= count and all(cpu_seconds(pid) >= cpu_s for pid in ranks)
+
+    return predicate
+
+
+def test_spawn_ctrl_c_to_the_process_group_exits_130_and_stops_every_rank(launcher_runs):
+    """What a terminal does on Ctrl-C: SIGINT to every process of the foreground group."""
+    run = launcher_runs("--launcher", "spawn", "--dp", "2", "--iters", "1000000")
+    assert run.watch_until(_ranks_busy(run, 2), timeout=120), "ranks never got going"
+    ranks = _spawn_ranks(run)
+    os.killpg(run.process.pid, signal.SIGINT)  # the run is its own process group
+    interrupted_at = time.monotonic()
+    code, output = run.finish(timeout=60)
+    assert time.monotonic() - interrupted_at < 10
+    assert code == EXIT_INTERRUPTED, output
+    assert "interrupted" in output and "KeyboardInterrupt" not in output
+    assert len(ranks) == 2 and not alive(ranks)
+    run.assert_nothing_left()
+
+
+def test_spawn_launcher_killed_leaves_no_rank_behind(launcher_runs):
+    """SIGKILL gives the launcher no chance to clean up: the ranks must go by themselves."""
+    run = launcher_runs("--launcher", "spawn", "--dp", "2", "--iters", "1000000")
+    assert run.watch_until(_ranks_busy(run, 2), timeout=120), "ranks never got going"
+    ranks = _spawn_ranks(run)
+    run.process.kill()
+    run.process.wait(10)
+    deadline = time.monotonic() + 10
+    while alive(ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(ranks) == 2 and not alive(ranks), f"ranks alive 10 s later: {alive(ranks)}"
+    run.assert_nothing_left()

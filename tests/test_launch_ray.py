@@ -19,96 +19,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import (
+    ENV,
+    REPO,
+    Run,
+    alive,
+    descendants,
+    process_table,
+)
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None, reason="ray is not installed"
 )
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "ep_runtime.launch"]
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")} | {
-    "RAY_USAGE_STATS_ENABLED": "0"
-}
 FAILURE_BUDGET_S = 10.0  # a failed rank must end the run within this
 
 
-# process bookkeeping ----------------------------------------------------------------------------
-def _process_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, command line) for every live process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        table[int(entry)] = (int(fields[1]), fields[0], cmdline.decode(errors="replace"))
-    return table
-
-
-def _descendants(root: int) -> dict[int, str]:
-    table = _process_table()
-    found: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, _, cmd) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = cmd
-                frontier.append(pid)
-    return found
-
-
-def _alive(pids) -> dict[int, str]:
-    """Those of ``pids`` still running (zombies are dead: their parent just has not reaped them)."""
-    table = _process_table()
-    return {pid: table[pid][2] for pid in pids if pid in table and table[pid][1] != "Z"}
-
-
-class Run:
-    """A CLI run in a subprocess, remembering every process it started."""
-
-    def __init__(self, *args: str, cwd: Path = REPO) -> None:
-        self.process = subprocess.Popen(
-            [*LAUNCH, *args],
-            cwd=cwd,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.seen: dict[int, str] = {}
-
-    def watch_until(self, predicate, timeout: float) -> bool:
-        """Poll the process tree until ``predicate(tree)`` or the run ends."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.process.poll() is None:
-            tree = _descendants(self.process.pid)
-            for pid, cmd in tree.items():  # an exiting process (zombie) shows an empty cmdline:
-                if cmd.strip() or pid not in self.seen:  # keep the command it ran under
-                    self.seen[pid] = cmd
-            if predicate(tree):
-                return True
-            time.sleep(0.1)
-        return False
-
-    def rank_actors(self) -> list[int]:
-        return [
-            pid for pid, cmd in _descendants(self.process.pid).items() if "ray::RankActor" in cmd
-        ]
-
-    def finish(self, timeout: float) -> tuple[int, str]:
-        self.watch_until(lambda tree: False, timeout)
-        output = self.process.communicate(timeout=timeout)[0]
-        return self.process.returncode, output
-
-    def assert_nothing_left(self) -> None:
-        deadline = time.monotonic() + 5  # ray.shutdown's SIGTERM/SIGKILL may take a moment
-        while _alive(self.seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(self.seen), f"left behind: {_alive(self.seen)}"
+def _rank_actors(run: Run) -> list[int]:
+    return [pid for pid, cmd in descendants(run.process.pid).items() if "ray::RankActor" in cmd]
 
 
 def _running_ranks(count: int):
@@ -118,15 +46,37 @@ def _running_ranks(count: int):
     return predicate
 
 
+def test_driver_forwards_settings_but_not_a_nodes_network(monkeypatch):
+    """The driver's interface variables describe its own node: they must not override what
+    another node set (issue 15); its other NCCL/gloo settings still reach every rank."""
+    from ep_runtime.launch.ray_driver import propagated_env
+
+    for key, value in {
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "=eth0",
+        "TP_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_HCA": "mlx5_0",
+        "NCCL_DEBUG": "INFO",
+        "EP_RUNTIME_X": "1",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }.items():
+        monkeypatch.setenv(key, value)
+    forwarded = propagated_env()
+    assert forwarded["NCCL_DEBUG"] == "INFO" and forwarded["EP_RUNTIME_X"] == "1"
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_HCA",
+                "CUDA_VISIBLE_DEVICES"):  # fmt: skip
+        assert key not in forwarded
+
+
 # runs -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("dp", "extra"),
     [(2, ()), pytest.param(4, ("--layout", "both"), marks=pytest.mark.slow)],
 )
-def test_ray_run_passes_and_reports(tmp_path, dp, extra):
+def test_ray_run_passes_and_reports(tmp_path, dp, extra, launcher_runs):
     report, plot = tmp_path / "report.json", tmp_path / "plot.png"
     started = time.monotonic()
-    run = Run("--dp", str(dp), "--json", str(report), "--plot", str(plot), *extra)
+    run = launcher_runs("--dp", str(dp), "--json", str(report), "--plot", str(plot), *extra)
     code, output = run.finish(timeout=120)
     elapsed = time.monotonic() - started
     assert code == 0, output
@@ -142,8 +92,10 @@ def test_ray_run_passes_and_reports(tmp_path, dp, extra):
     run.assert_nothing_left()
 
 
-def test_rank_that_raises_ends_the_run_naming_it(tmp_path):
-    run = Run("--dp", "2", "--inject-failure", "1:raise:1", "--json", str(tmp_path / "r.json"))
+def test_rank_that_raises_ends_the_run_naming_it(tmp_path, launcher_runs):
+    run = launcher_runs(
+        "--dp", "2", "--inject-failure", "1:raise:1", "--json", str(tmp_path / "r.json")
+    )
     code, output = run.finish(timeout=120)
     ended = time.time()
     assert code == 3, output
@@ -154,11 +106,11 @@ def test_rank_that_raises_ends_the_run_naming_it(tmp_path):
     run.assert_nothing_left()
 
 
-def test_killed_rank_actor_ends_the_run_naming_it():
-    run = Run("--dp", "2", "--iters", "1000000")  # long enough to be killed mid-run
+def test_killed_rank_actor_ends_the_run_naming_it(launcher_runs):
+    run = launcher_runs("--dp", "2", "--iters", "1000000")  # long enough to be killed mid-run
     assert run.watch_until(_running_ranks(2), timeout=90), "rank actors never started"
     time.sleep(1.0)  # well inside the timed loop
-    victim = max(run.rank_actors())
+    victim = max(_rank_actors(run))
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     code, output = run.finish(timeout=60)
@@ -170,8 +122,8 @@ def test_killed_rank_actor_ends_the_run_naming_it():
     run.assert_nothing_left()
 
 
-def test_ctrl_c_tears_everything_down():
-    run = Run("--dp", "2", "--iters", "1000000")
+def test_ctrl_c_tears_everything_down(launcher_runs):
+    run = launcher_runs("--dp", "2", "--iters", "1000000")
     assert run.watch_until(_running_ranks(2), timeout=90), "rank actors never started"
     run.process.send_signal(signal.SIGINT)
     interrupted_at = time.monotonic()
@@ -180,6 +132,68 @@ def test_ctrl_c_tears_everything_down():
     assert code == 130, output
     assert "interrupted" in output
     run.assert_nothing_left()
+
+
+def test_rank_rejecting_its_input_is_one_line_exit_2(tmp_path, launcher_runs):
+    """A rank's ``EPInputError`` reaches the driver intact (it pickles): one line naming the rank
+    and the argument, exit 2, no traceback, no ``UnserializableException``."""
+    report = tmp_path / "r.json"
+    run = launcher_runs("--dp", "2", "--inject-failure", "1:input:0", "--json", str(report))
+    code, output = run.finish(timeout=120)
+    assert code == 2, output
+    expected = (
+        "error: rank 1 raised during step timed (auto): EPInputError: topk_ids: "
+        "expected ids in [-1, 16), given id 16 (injected on rank 1)"
+    )
+    assert [line for line in output.splitlines() if "rank 1" in line] == [expected], output
+    for noise in ("UnserializableException", "Traceback", 'File "', "Unhandled error"):
+        assert noise not in output, output
+    data = json.loads(report.read_text())
+    assert data["failed_rank"] == 1 and data["usage_error"].startswith("EPInputError: topk_ids")
+    run.assert_nothing_left()
+
+
+def _private_pid_namespace() -> tuple[str, ...] | None:
+    """A command prefix that runs a process where no other process is visible (so Ray's
+    ``auto`` cannot find another user's cluster), or ``None`` where that cannot be made."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    user = () if os.geteuid() == 0 else ("--user", "--map-root-user")
+    prefix = (unshare, *user, "--pid", "--fork", "--mount-proc")
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
+
+
+def test_address_auto_without_a_cluster_exits_2_before_starting(launcher_runs):
+    prefix = _private_pid_namespace()
+    if prefix is None:
+        running = [pid for pid, (_, _, cmd) in process_table().items() if "gcs_server" in cmd]
+        if running:
+            pytest.skip(f"ray is running here (gcs_server pids {running}) and unshare is refused")
+        prefix = ()
+    started = time.monotonic()
+    run = launcher_runs("--dp", "2", "--address", "auto", prefix=prefix)
+    code, output = run.finish(timeout=60)
+    assert code == 2, output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1, output
+    assert lines[0].startswith("cannot start: --address auto: expected a running Ray cluster")
+    assert time.monotonic() - started < 30
+    assert not any("raylet" in cmd or "gcs_server" in cmd for cmd in run.seen.values())
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_output_exits_2_before_ray_starts(tmp_path, option, launcher_runs):
+    unwritable = tmp_path / "missing-dir" / "out.file"
+    run = launcher_runs("--dp", "2", option, str(unwritable))
+    code, output = run.finish(timeout=60)
+    assert code == 2, output
+    assert output.strip().splitlines() == [
+        f"error: {option}: expected a writable file, given '{unwritable}' "
+        "(No such file or directory)"
+    ]
+    assert not any("raylet" in cmd for cmd in run.seen.values())  # no cluster was started
 
 
 # ray start + ray job submit ---------------------------------------------------------------------
@@ -191,15 +205,15 @@ def _free_port() -> int:
 
 def _stop_cluster(markers: list[str]) -> None:
     """Stop only this test's cluster (``ray stop`` would stop every Ray on the machine)."""
-    table = _process_table()
+    table = process_table()
     doomed = {pid for pid, (_, _, cmd) in table.items() if any(m in cmd for m in markers)}
     for pid in list(doomed):
-        doomed |= set(_descendants(pid))
+        doomed |= set(descendants(pid))
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _alive(doomed):
+        for pid in alive(doomed):
             os.kill(pid, sig)
         deadline = time.monotonic() + 5
-        while _alive(doomed) and time.monotonic() < deadline:
+        while alive(doomed) and time.monotonic() < deadline:
             time.sleep(0.2)
 
 

@@ -5,20 +5,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ep_runtime.bench.metrics import imbalance
 
+# printed under the tables and stored in the JSON report ("conventions")
 CONVENTIONS = (
-    "bandwidth = bytes received per rank, own tokens included (DeepEP's definition), hidden "
-    "payload of valid rows only, averaged over ranks, over the phase time",
-    "phase time = per-iteration max over ranks after a barrier (and device sync); median shown",
+    "phase time = per-iteration max over ranks after a barrier (and device sync); median and min "
+    "over the timed iterations, in ms",
+    "bandwidth (GB/s) = bytes received per rank, own tokens included (DeepEP's definition), "
+    "hidden payload of valid rows only, averaged over ranks, over the phase time",
     "expert TFLOP/s counts valid (token, expert) pairs only, averaged over ranks",
-    "baselines from the same run: all_to_all_single of the same rows (the floor) and a dense "
-    "GEMM pair of the same FLOPs (the ceiling); 'vs baseline' = baseline time / phase time",
-    "layer_floor = a2a dispatch + dense GEMM + a2a combine; layer_graph = the layer replayed as a "
-    "captured CUDA graph (capacity mode on CUDA)",
+    "baselines from the same run: a2a_dispatch / a2a_combine = one all_to_all_single of the same "
+    "rows (the communication floor), dense_gemm = two dense GEMMs of the same FLOPs (the compute "
+    "ceiling); base/phase = baseline time / phase time",
+    "layer_floor = a2a_dispatch + dense_gemm + a2a_combine: the layer's time if each phase ran at "
+    "its baseline's speed, one after the other (no routing, packing or metadata, no overlap); a "
+    "reference point, not a bound; for the layer, base/phase = layer_floor / layer time",
+    "layer_graph = the layer replayed as a captured CUDA graph (capacity mode on CUDA)",
+    "max/mean = a rank's busiest expert over its mean expert load, in (token, expert) pairs",
+    "rel err = max over the validated tokens of |out - ref| / |ref| against reference_moe (fp64); "
+    "ok = within the tolerance and the phase-by-phase output equals the layer's bitwise",
 )
 LAYER_FLOOR_PARTS = ("a2a_dispatch", "dense_gemm", "a2a_combine")
 LAYER_FLOOR = "layer_floor"
@@ -99,6 +108,8 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
                     "rank",
                     "host",
                     "pid",
+                    "node_ip",
+                    "interfaces",
                     "device",
                     "tokens",
                     "received_rows",
@@ -156,8 +167,21 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     }
 
 
+def _table(title: str, columns: dict[str, str]) -> Table:
+    """A compact table (fits 80 columns): ``columns`` maps header -> justify. Cells never wrap
+    or lose characters; a ``host`` column folds instead when the console is narrow."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for header, justify in columns.items():
+        if header == "host":
+            table.add_column(header, justify=justify, overflow="fold")
+        else:
+            table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    return table
+
+
 def print_report(report: dict, console: Console) -> None:
-    """Summary line, a phase table (per layout) and a rank table."""
+    """Summary line; per layout a phase table and a validation table; one traffic-and-memory
+    table (the same for every layout); then the legend."""
     model = report["model"]
     verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
     console.print(
@@ -169,15 +193,13 @@ def print_report(report: dict, console: Console) -> None:
         f"max abs err {report['max_abs_err']:.2e}"
     )
     baselines = report["baselines"]
-    for case in report["cases"]:
-        phases = Table(
-            title=f"{case['dispatcher']} / {case['experts']} / layout {case['layout']}: "
-            "phase times, max over ranks per iteration",
-        )
-        for column in ("phase", "median ms", "min ms", "rate", "baseline", "base ms", "base/phase"):
-            phases.add_column(
-                column, justify="left" if column in ("phase", "baseline") else "right"
-            )
+    for index, case in enumerate(report["cases"]):
+        backends = f"{case['dispatcher']} / {case['experts']}, layout {case['layout']}"
+        phases = _table(
+            f"Phases, {backends}: ms, max over ranks per iteration",
+            {"phase": "left", "median": "right", "min": "right", "rate": "right",
+             "baseline": "left", "base": "right", "base/phase": "right"},
+        )  # fmt: skip
         rates = case["rates"]
         rows = (
             ("dispatch", f"{rates['dispatch_GBps']:.3g} GB/s", "a2a_dispatch"),
@@ -188,7 +210,7 @@ def print_report(report: dict, console: Console) -> None:
         )
         for phase, rate, baseline in rows:
             stats = case["phases"][phase]
-            base = baselines.get(baseline) if baseline else None
+            base = baselines.get(baseline)
             ratio = case["vs_baseline"].get(f"{phase}_vs_{baseline}")
             phases.add_row(
                 phase,
@@ -202,12 +224,28 @@ def print_report(report: dict, console: Console) -> None:
         console.print(phases)
         for line in case["choice"].splitlines()[1:]:  # why "auto" passed over the others
             console.print(f"[dim]{line.strip()}[/]", highlight=False)
-    ranks = Table(title="Ranks")
-    for column in (
-        "rank", "host", "recv rows", "recv MB", "pairs", "max/mean",
-        "weights MB", "peak MB", "rel err", "status",
-    ):  # fmt: skip
-        ranks.add_column(column, justify="right")
+        validation = _table(
+            f"Validation, {backends}",
+            {"rank": "right", "host": "left", "tokens": "right", "max abs err": "right",
+             "rel err": "right", "tolerance": "right", "status": "left"},
+        )  # fmt: skip
+        for r in report["per_rank"]:
+            result = r["validation"][index]
+            validation.add_row(
+                str(r["rank"]),
+                r["host"],
+                str(result["validated_tokens"]),
+                f"{result['max_abs_err']:.1e}",
+                f"{result['max_rel_err']:.1e}",
+                f"{result['tolerance']:.1e}",
+                "[green]ok[/]" if result["passed"] else "[red]FAIL[/]",
+            )
+        console.print(validation)
+    ranks = _table(
+        "Ranks: traffic and memory (the same for every layout)",
+        {"rank": "right", "host": "left", "recv rows": "right", "recv MB": "right",
+         "pairs": "right", "max/mean": "right", "weights MB": "right", "peak MB": "right"},
+    )  # fmt: skip
     for r in report["per_rank"]:
         ranks.add_row(
             str(r["rank"]),
@@ -218,16 +256,14 @@ def print_report(report: dict, console: Console) -> None:
             f"{r['expert_imbalance']:.2f}",
             f"{r['expert_weight_bytes'] / 1e6:.1f}",
             f"{r['peak_memory_bytes'] / 1e6:.0f}",
-            f"{r['max_rel_err']:.1e}",
-            "[green]ok[/]" if r["passed"] else "[red]FAIL[/]",
         )
     console.print(ranks)
     load = report["load"]
     console.print(
-        f"load: rank imbalance (max/mean valid pairs) {load['rank_imbalance']:.2f}; "
-        "max/mean per rank is over its own experts; recv = bytes received incl. own tokens "
-        "(DeepEP's definition); base/phase = baseline time / phase time"
+        f"load: rank imbalance (max/mean valid pairs over ranks) {load['rank_imbalance']:.2f}"
     )
+    for line in CONVENTIONS:
+        console.print(f"[dim]{line}[/]", highlight=False)
     for note in report["notes"]:
         console.print(f"note: {note}")
 
@@ -237,26 +273,39 @@ def write_json(report: dict, path: str | Path) -> None:
 
 
 def write_plot(report: dict, path: str | Path) -> None:
-    """PNG: phase medians per layout next to the baselines, and tokens per expert by rank."""
+    """PNG of ``plot_figure``."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(report)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_figure(report: dict):  # -> matplotlib.figure.Figure (matplotlib is optional)
+    """Phase medians per layout next to the baselines, and tokens per expert by rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_time, ax_load) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels, values, colors = [], [], []
     for case in report["cases"]:
         for phase in ("dispatch", "experts", "combine", "layer"):
-            labels.append(f"{phase}\n{case['layout']}")
+            labels.append(f"{phase} ({case['layout']})")
             values.append(case["phases"][phase]["median_ms"])
             colors.append("tab:blue")
     for name, stats in report["baselines"].items():
-        labels.append(name.replace("_", "\n", 1))
+        labels.append(f"{name} (baseline)")
         values.append(stats["median_ms"])
         colors.append("tab:gray")
-    ax_time.bar(range(len(values)), values, color=colors)
-    ax_time.set_xticks(range(len(values)), labels, fontsize=7)
-    ax_time.set_ylabel("ms (median of per-iteration max over ranks)")
+    # horizontal bars: one label per line, so labels cannot run into each other
+    fig, (ax_time, ax_load) = plt.subplots(
+        1, 2, figsize=(12, max(4.5, 0.3 * len(values) + 1.5)), width_ratios=(1, 1.3)
+    )
+    ax_time.barh(range(len(values)), values, color=colors)
+    ax_time.set_yticks(range(len(values)), labels, fontsize=8)
+    ax_time.invert_yaxis()  # first phase on top
+    ax_time.set_xlabel("ms (median of per-iteration max over ranks)")
     ax_time.set_title(
         f"{report['model']['name']} W={report['world_size']} "
         f"{report['dispatcher']}/{report['experts']}"
@@ -274,5 +323,4 @@ def write_plot(report: dict, path: str | Path) -> None:
     ax_load.set_ylabel("(token, expert) pairs")
     ax_load.set_title(f"load: rank max/mean = {report['load']['rank_imbalance']:.2f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

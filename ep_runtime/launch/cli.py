@@ -14,10 +14,13 @@ import sys
 import time
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 from rich.console import Console
 
 from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
+from ep_runtime.dispatch import DISPATCHERS
+from ep_runtime.experts import EXPERTS
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.spec import (
@@ -27,17 +30,35 @@ from ep_runtime.launch.spec import (
     RankFailure,
     RunSpec,
 )
-from ep_runtime.launch.supervision import stop_handlers
+from ep_runtime.launch.supervision import stop_handlers, usage_error_line
+from ep_runtime.types import BackendUnavailableError, EPInputError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 LAUNCHERS = ("auto", "ray", "spawn", "torchrun")
+CONFIG_OPTIONS = {  # MoEConfig field -> the option that sets it
+    "num_experts": "--num-experts",
+    "top_k": "--top-k",
+    "hidden_size": "--hidden",
+    "intermediate_size": "--intermediate",
+    "activation": "--activation",
+    "max_tokens_per_rank": "--tokens",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except where there is none (a preset's value, an unset file)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ep_runtime.launch",
         description=__doc__.split("\n\n")[0].replace("``", ""),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     run = parser.add_argument_group("ranks")
     run.add_argument("--dp", type=int, default=2, help="number of EP ranks (ignored by torchrun)")
@@ -53,27 +74,55 @@ def build_parser() -> argparse.ArgumentParser:
         help="ray: 'local' (private cluster), 'auto' (running cluster), or an address; "
         "default: RAY_ADDRESS if set, else local",
     )
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank; auto: cuda if there is a GPU per rank",
+    )
     run.add_argument("--timeout", type=float, default=60.0, help="seconds, every collective")
     layer = parser.add_argument_group("layer")
     layer.add_argument("--dispatcher", default="auto", help="dispatcher backend name")
     layer.add_argument("--experts", default="auto", help="experts backend name")
-    layer.add_argument("--layout", choices=("auto", "standard", "expanded", "both"), default="auto")
-    layer.add_argument("--mode", choices=("exact", "capacity"), default="exact")
+    layer.add_argument(
+        "--layout",
+        choices=("auto", "standard", "expanded", "both"),
+        default="auto",
+        help="rows as (token, rank) with [R, K] ids (standard) or (token, local expert) grouped by "
+        "expert (expanded); both: one layer after the other, a table each; auto: the backend's",
+    )
+    layer.add_argument(
+        "--mode",
+        choices=("exact", "capacity"),
+        default="exact",
+        help="exact: exact sizes, one host sync; capacity: static shapes, no host sync "
+        "(CUDA-graph capturable)",
+    )
     layer.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                        help="auto: bf16 on CUDA, fp32 on CPU")  # fmt: skip
-    model = parser.add_argument_group("model (a preset, then overrides)")
+    model = parser.add_argument_group(
+        "model (a preset, then overrides)", "each override defaults to the preset's value"
+    )
     model.add_argument("--model", default="tiny", help=f"one of {', '.join(PRESETS)}")
     model.add_argument("--tokens", type=int, help="tokens per rank")
     model.add_argument("--hidden", type=int, help="hidden size H")
     model.add_argument("--intermediate", type=int, help="expert intermediate size I")
     model.add_argument("--num-experts", type=int, help="routed experts E")
     model.add_argument("--top-k", type=int, help="experts per token K")
-    model.add_argument("--activation", choices=("silu", "relu2"))
+    model.add_argument(
+        "--activation",
+        choices=("silu", "relu2"),
+        help="expert activation: silu (gated, w13 = [gate; up]) or relu2 (not gated)",
+    )
     bench = parser.add_argument_group("measurement and output")
     bench.add_argument("--iters", type=int, default=10, help="timed iterations")
     bench.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="weights, inputs, routing and the validation sample all derive from it",
+    )
     bench.add_argument("--validate-tokens", type=int, default=64,
                        help="tokens per rank checked against reference_moe (0 = all)")  # fmt: skip
     bench.add_argument("--no-baselines", action="store_true", help="skip the a2a / GEMM baselines")
@@ -99,7 +148,8 @@ def choose_launcher(requested: str) -> str:
 
 
 def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
-    """Checks the shape against the world size up front (E divisible by W, K ≤ E)."""
+    """Every argument checked before a rank starts: counts, the layer shape (``MoEConfig``'s own
+    checks, reported under the option's name), E divisible by W, backend names."""
     model = preset_by_name(args.model).with_overrides(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -110,17 +160,38 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     )
     if world_size < 1:
         raise ValueError(f"--dp: expected >= 1, given {world_size}")
+    for option, count in (
+        ("--tokens", model.tokens_per_rank),
+        ("--iters", args.iters),
+        ("--warmup", args.warmup),
+        ("--validate-tokens", args.validate_tokens),
+    ):
+        if count < 0:
+            raise ValueError(f"{option}: expected >= 0, given {count}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: expected > 0 seconds, given {args.timeout:g}")
+    try:
+        model.moe_config()
+    except EPInputError as error:
+        option = CONFIG_OPTIONS.get(error.argument, error.argument)
+        raise ValueError(f"{option}: expected {error.expected}, given {error.given}") from None
     if model.num_experts % world_size:
         raise ValueError(
-            f"--dp: {model.name} has {model.num_experts} experts, "
-            f"not divisible by {world_size} ranks"
+            f"--dp: expected a divisor of the {model.num_experts} experts of {model.name}, "
+            f"given {world_size}"
         )
-    if not 1 <= model.top_k <= model.num_experts:
-        raise ValueError(f"--top-k: expected 1..{model.num_experts}, given {model.top_k}")
-    if model.tokens_per_rank < 0 or args.iters < 0 or args.warmup < 0:
-        raise ValueError("--tokens, --iters and --warmup must be >= 0")
+    for option, requested, registry in (
+        ("--dispatcher", args.dispatcher, DISPATCHERS),
+        ("--experts", args.experts, EXPERTS),
+    ):
+        if requested != "auto" and requested not in registry.names():
+            names = ", ".join(("auto", *registry.names()))
+            raise ValueError(f"{option}: expected one of {names}, given {requested!r}")
     if args.inject_failure is not None and not 0 <= args.inject_failure.rank < world_size:
-        raise ValueError(f"--inject-failure: rank must be in [0, {world_size})")
+        raise ValueError(
+            f"--inject-failure: expected a rank in [0, {world_size}), "
+            f"given {args.inject_failure.rank}"
+        )
     layouts = ("standard", "expanded") if args.layout == "both" else (args.layout,)
     return RunSpec(
         model=model,
@@ -159,6 +230,48 @@ def _launch(
     return spec, summaries, rank == 0
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` / ``--plot`` must be writable (and matplotlib importable) before a rank
+    starts, not found out after the run."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            "--plot: expected matplotlib to be installed (pip install 'ep_runtime[plot]'), "
+            "given none"
+        )
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        target = Path(path)
+        existed = target.exists()
+        try:
+            with target.open("a"):  # creates it if missing, never truncates
+                pass
+        except OSError as error:
+            raise ValueError(
+                f"{option}: expected a writable file, given {path!r} ({error.strerror})"
+            ) from None
+        if not existed:
+            target.unlink()
+
+
+def write_failure_json(path: str, failure: RankFailure, spec: RunSpec, launcher: str) -> None:
+    """The report of a run a rank ended: who failed, and why."""
+    failed = {
+        "passed": False,
+        "failed_rank": failure.rank,
+        "error": str(failure),
+        "usage_error": failure.usage_error,
+        "world_size": spec.world_size,
+        "launcher": launcher,
+    }
+    Path(path).write_text(json.dumps(failed, indent=2) + "\n")
+
+
+def print_line(console: Console, text: str) -> None:
+    """One unwrapped line, as given (no markup: an error may quote ``[...]``)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True, style="red")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
@@ -166,14 +279,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         console = Console(width=max(console.width, 120))
     launcher = choose_launcher(args.launcher)
     try:
-        world_size = args.dp
+        world_size, reports_here = args.dp, True
         if launcher == "torchrun":
             from ep_runtime.launch.torchrun import env_rank
 
-            world_size = env_rank().world_size
+            place = env_rank()
+            world_size, reports_here = place.world_size, place.rank == 0
         spec = build_spec(args, world_size)
+        if reports_here:
+            check_outputs(args)
     except (ValueError, RuntimeError) as error:
-        console.print(f"[red]error:[/] {error}")
+        print_line(console, f"error: {error}")
         return EXIT_USAGE
     progress_factory = partial(RunProgress, console)
     started = time.perf_counter()
@@ -181,17 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stop_handlers():
             spec, summaries, is_reporter = _launch(launcher, spec, args.address, progress_factory)
     except LaunchError as error:
-        console.print(f"[red]cannot start:[/] {error}")
+        print_line(console, f"cannot start: {error}")
+        return EXIT_USAGE
+    except (EPInputError, BackendUnavailableError) as error:  # this process is the rank
+        print_line(console, f"error: {usage_error_line(error)}")
         return EXIT_USAGE
     except RankFailure as failure:
+        if args.json:
+            write_failure_json(args.json, failure, spec, launcher)
+        if failure.usage_error is not None:
+            print_line(
+                console, f"error: rank {failure.rank} {failure.where}: {failure.usage_error}"
+            )
+            return EXIT_USAGE
         console.print("[bold red]run ended[/]")
         console.print(str(failure), markup=False, highlight=False)
-        if args.json:
-            failed = {"passed": False, "failed_rank": failure.rank, "error": str(failure)}
-            with open(args.json, "w") as handle:
-                json.dump(
-                    failed | {"world_size": spec.world_size, "launcher": launcher}, handle, indent=2
-                )
         return EXIT_RANK_FAILED
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every rank was stopped")

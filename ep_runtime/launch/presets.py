@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
+from ep_runtime.config import MoEConfig
 from ep_runtime.routing import Scoring
 
 
@@ -39,6 +42,19 @@ class ModelPreset:
     def with_overrides(self, **overrides: int | str | None) -> ModelPreset:
         """A copy with the given non-None fields replaced (``--hidden`` etc. on the CLI)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def moe_config(self, dtype: torch.dtype | None = None) -> MoEConfig:
+        """The layer's shape as the package's ``MoEConfig``, buffers sized for this preset's
+        tokens per rank; raises ``EPInputError`` naming a bad field (``hidden_size`` 0, …)."""
+        return MoEConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            activation=self.activation,
+            dtype=dtype,
+            max_tokens_per_rank=max(1, self.tokens_per_rank),
+        )
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -30,12 +30,12 @@ from ep_runtime.bench.metrics import (
 )
 from ep_runtime.bench.timing import PhaseClock, PhaseRecorder, max_over_ranks_stats
 from ep_runtime.comm import Comm
-from ep_runtime.config import MoEConfig
 from ep_runtime.launch import workload
+from ep_runtime.launch.network import apply_interface_defaults
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.layer import PHASES as LAYER_PHASES
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from ep_runtime.types import DispatchMode
+from ep_runtime.types import DispatchMode, EPInputError
 
 PHASES = (*LAYER_PHASES, "layer")
 GRAPH_PHASE = "layer_graph"  # capacity mode on CUDA: the layer replayed as a captured CUDA graph
@@ -88,11 +88,23 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class RankWorker:
-    """One rank's state across the steps of a run. No CUDA work happens in ``__init__``."""
+    """One rank's state across the steps of a run. No CUDA work happens in ``__init__``.
 
-    def __init__(self, spec: RunSpec, rank: int, device_index: int | None = None) -> None:
+    ``node_ip`` (a run across nodes): the address the launcher knows this rank's node by; gloo
+    and NCCL are bound to the interface holding it unless the environment names one (``network``).
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        rank: int,
+        device_index: int | None = None,
+        node_ip: str | None = None,
+    ) -> None:
         self.spec = spec
         self.rank = rank
+        self.node_ip = node_ip
+        self.interfaces: dict[str, dict[str, str | None]] = {}
         self.device = (
             torch.device("cuda", device_index or 0)
             if spec.device == "cuda"
@@ -107,12 +119,20 @@ class RankWorker:
 
     # rendezvous -----------------------------------------------------------------------------
     def describe(self) -> dict:
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+        """Where this rank runs and which interface each backend was told to use (and by whom)."""
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "node_ip": self.node_ip,
+            "interfaces": self.interfaces,
+        }
 
     def init_process_group(
         self, store: dist.Store | None = None, init_method: str | None = None
     ) -> None:
         """NCCL on CUDA, gloo on CPU; the spec's timeout on every collective."""
+        self.interfaces = apply_interface_defaults(self.node_ip)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
@@ -144,26 +164,17 @@ class RankWorker:
     def setup(self) -> None:
         """Inputs and routing of this rank and the global routing counts."""
         spec, model, device = self.spec, self.spec.model, self.device
-        config = MoEConfig(
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            hidden_size=model.hidden_size,
-            intermediate_size=model.intermediate_size,
-            activation=model.activation,
-            dtype=spec.torch_dtype(),
-            max_tokens_per_rank=max(1, model.tokens_per_rank),
-        )
+        config = model.moe_config(spec.torch_dtype())
         self.config = config
         self.dtype = config.resolve_dtype(device)
         tokens = model.tokens_per_rank
         self.x = workload.rank_hidden_states(
-            model, self.rank, tokens, spec.seed, device, self.dtype
+            config, self.rank, tokens, spec.seed, device, self.dtype
         )
         self.topk_ids, self.topk_weights = workload.rank_routing(
             model, self.rank, tokens, spec.seed, device
         )
-        num_local = model.num_experts // spec.world_size
-        self.local_experts = list(range(self.rank * num_local, (self.rank + 1) * num_local))
+        self.local_experts = workload.local_experts(config, self.rank, spec.world_size)
         comm = self._comm()
         per_rank_counts = comm.all_gather_object(
             expert_token_counts(self.topk_ids, model.num_experts)
@@ -185,12 +196,12 @@ class RankWorker:
             experts=spec.experts,
             layout=spec.layouts[case],
             mode=spec.mode,
-            max_tokens_per_rank=max(1, spec.model.tokens_per_rank),
+            max_tokens_per_rank=self.config.max_tokens_per_rank,
         )
         # this rank's shard only, [L, ...]; regenerated per layer and not kept here, so a backend
         # that converts the weights holds the only copy
         shard = workload.stacked_expert_weights(
-            spec.model, self.local_experts, spec.seed, self.device, self.dtype
+            self.config, self.local_experts, spec.seed, self.device, self.dtype
         )
         self.layer.load_weights(*shard)
         self.expert_weight_bytes = sum(w.nbytes for w in shard)
@@ -309,7 +320,7 @@ class RankWorker:
                 num_pairs,
                 model.hidden_size,
                 model.intermediate_size,
-                model.activation == "silu",
+                self.config.activation.is_gated,
                 self.dtype,
                 iters,
                 warmup,
@@ -331,7 +342,7 @@ class RankWorker:
         baselines = {}
         for name, times in getattr(self, "baseline_times", {}).items():
             baselines[name] = max_over_ranks_stats(comm.all_gather_object(times)).to_json()
-        gated = model.activation == "silu"
+        gated = self.config.activation.is_gated
         return {
             **self.describe(),
             "device": str(self.device),
@@ -379,6 +390,13 @@ class RankWorker:
         if failure.kind == "raise":
             raise RuntimeError(
                 f"injected failure on rank {self.rank} at unix time {time.time():.3f}"
+            )
+        if failure.kind == "input":
+            num_experts = self.config.num_experts
+            raise EPInputError(
+                "topk_ids",
+                f"ids in [-1, {num_experts})",
+                f"id {num_experts} (injected on rank {self.rank})",
             )
         if failure.kind == "exit":
             os._exit(1)

@@ -5,7 +5,8 @@ node first, ip, gpu); rank 0 binds a TCPStore on port 0 and publishes the port (
 NCCL on GPUs with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray does not mask devices;
 each rank picks its GPU itself), gloo on CPU. The driver issues one collective step at a time and
 watches every rank with ``ray.wait``: the first failure kills every actor, removes the placement
-group and (for a cluster it started) shuts Ray down.
+group and (for a cluster it started) shuts Ray down. On a run across nodes each rank binds gloo and
+NCCL to the interface holding its node's IP unless its node says otherwise (``network``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ep_runtime.launch.network import NODE_LOCAL_VARIABLES
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.rank import RankWorker, Step, plan
-from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec
+from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec, resolve_device
 from ep_runtime.launch.supervision import (
     Failure,
     FailureKind,
@@ -35,6 +37,7 @@ from ep_runtime.launch.supervision import (
     install_stop_handlers,
     raise_if_stop_requested,
     root_failure,
+    usage_error_line,
     window_closed,
 )
 
@@ -46,11 +49,13 @@ POLL_S = 0.25  # ray.wait slice: keeps Ctrl-C responsive
 
 
 def propagated_env() -> dict[str, str]:
-    """Whitelisted driver variables for the ranks; never CUDA_VISIBLE_DEVICES/RANK/MASTER_*."""
+    """Whitelisted driver variables for the ranks; never CUDA_VISIBLE_DEVICES/RANK/MASTER_*, nor
+    a node's own network settings (``NODE_LOCAL_VARIABLES``): each rank keeps its node's."""
     env = {
         key: value
         for key, value in os.environ.items()
-        if key.startswith(PROPAGATED_PREFIXES) or key in PROPAGATED_NAMES
+        if (key.startswith(PROPAGATED_PREFIXES) or key in PROPAGATED_NAMES)
+        and key not in NODE_LOCAL_VARIABLES
     }
     return RANK_ENV_DEFAULTS | env
 
@@ -92,7 +97,11 @@ class RankActor:
         )
         return self.store.port
 
-    def start(self, rank: int, device_index: int | None, host: str, port: int) -> None:
+    def start(
+        self, rank: int, device_index: int | None, host: str, port: int, node_ip: str | None
+    ) -> None:
+        """Join the store and the process group; ``node_ip`` (runs across nodes): bind gloo and
+        NCCL to the interface holding it unless this node set its own (``network``)."""
         store = self.store or dist.TCPStore(
             host,
             port,
@@ -100,7 +109,7 @@ class RankActor:
             is_master=False,
             timeout=timedelta(seconds=self.spec.timeout_s),
         )
-        self.worker = RankWorker(self.spec, rank, device_index)
+        self.worker = RankWorker(self.spec, rank, device_index, node_ip)
         self.worker.init_process_group(store=store)
 
     def step(self, method: str, args: tuple) -> object:
@@ -123,37 +132,38 @@ class RaySession:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if address is None:
             address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
-        if address == "local":
-            # a short private temp dir: no collisions with other local clusters, socket paths
-            # stay under the 107-byte limit, and everything is removed at the end
-            self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                _temp_dir=self.temp_dir,
-                logging_level="WARNING",
-            )
-            self.owns_cluster = True
-        else:
-            ray.init(address=address, logging_level="WARNING")
+        try:
+            if address == "local":
+                # a short private temp dir: no collisions with other local clusters, socket paths
+                # stay under the 107-byte limit, and everything is removed at the end
+                self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
+                self.owns_cluster = True
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    _temp_dir=self.temp_dir,
+                    logging_level="WARNING",
+                )
+            else:
+                ray.init(address=address, logging_level="WARNING")
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            self.close()
+            reason = " ".join(str(error).split())  # one line
+            if self.owns_cluster:
+                message = f"--address local: a private Ray cluster did not start ({reason})"
+            else:
+                message = (
+                    f"--address {address}: expected a running Ray cluster, given none ({reason})"
+                )
+            raise LaunchError(message) from None
         install_stop_handlers()  # ray.init replaced the SIGTERM handler
 
     def close(self) -> None:
         if self.owns_cluster:
-            ray.shutdown()
+            with contextlib.suppress(Exception):
+                ray.shutdown()
             if self.temp_dir is not None:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def resolve_device(requested: str, world_size: int) -> str:
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if requested == "cuda" and gpus < world_size:
-        raise LaunchError(
-            f"--device cuda: the cluster has {gpus:g} GPUs, --dp {world_size} needs one each"
-        )
-    if requested == "auto":
-        return "cuda" if gpus >= world_size else "cpu"
-    return requested
 
 
 def reserve_bundles(device: str, world_size: int):
@@ -177,11 +187,20 @@ def reserve_bundles(device: str, world_size: int):
     return group, bundle
 
 
-def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
+def supervise(refs: Sequence, where: str, timeout_s: float, abandoned: list | None = None) -> list:
     """Results of ``refs[rank]``; on failure, collect failures until the cause is known (see
-    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step."""
+    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step.
+    Calls still unanswered when it raises are appended to ``abandoned`` (see ``settle``)."""
     pending = {ref: rank for rank, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
+    try:
+        return _supervise(pending, where, timeout_s)
+    finally:
+        if abandoned is not None:
+            abandoned.extend(pending)
+
+
+def _supervise(pending: dict, where: str, timeout_s: float) -> list:
+    results: list = [None] * len(pending)
     failures: list[Failure] = []
     deadline = time.monotonic() + timeout_s
     first_failure_at = 0.0
@@ -207,7 +226,9 @@ def supervise(refs: Sequence, where: str, timeout_s: float) -> list:
                 )
             except RayTaskError as error:  # str() carries the remote traceback
                 text = str(error)
-                failures.append(Failure(rank, classify_exception_text(text), text, len(failures)))
+                kind = classify_exception_text(text)
+                usage = usage_error_line(error.cause)
+                failures.append(Failure(rank, kind, text, len(failures), usage))
             if len(failures) == 1 and not first_failure_at:
                 first_failure_at = time.monotonic()
     if failures:
@@ -222,8 +243,11 @@ def run_with_ray(
     session = RaySession(address)
     group = None
     actors: list = []
+    abandoned: list = []  # calls left unanswered when the run ended
     try:
-        spec = dataclasses.replace(spec, device=resolve_device(spec.device, spec.world_size))
+        gpus = ray.cluster_resources().get("GPU", 0)
+        device = resolve_device(spec.device, spec.world_size, gpus, "the cluster")
+        spec = dataclasses.replace(spec, device=device)
         steps = plan(spec)
         with progress_factory(steps) as progress:
             progress.status("reserving placement group")
@@ -241,21 +265,29 @@ def run_with_ray(
                 for index in range(spec.world_size)
             ]
             progress.status("starting rank actors")
-            metas = supervise([a.meta.remote() for a in actors], "start-up", spec.timeout_s * 3)
+            metas = supervise(
+                [a.meta.remote() for a in actors], "start-up", spec.timeout_s * 3, abandoned
+            )
             order = rank_order(metas)
             actors, metas = [actors[i] for i in order], [metas[i] for i in order]
-            host = "127.0.0.1" if len({m["node_id"] for m in metas}) == 1 else metas[0]["ip"]
+            spans_nodes = len({m["node_id"] for m in metas}) > 1
+            host = metas[0]["ip"] if spans_nodes else "127.0.0.1"
             progress.status("rendezvous")
-            [port] = supervise([actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s)
+            [port] = supervise(
+                [actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s, abandoned
+            )
             supervise(
                 [
-                    a.start.remote(r, m["device_index"], host, port)
+                    a.start.remote(
+                        r, m["device_index"], host, port, m["ip"] if spans_nodes else None
+                    )
                     for r, (a, m) in enumerate(zip(actors, metas, strict=True))
                 ],
                 "process group init",
                 spec.timeout_s * 2,
+                abandoned,
             )
-            summaries = run_steps(actors, steps, spec, progress)
+            summaries = run_steps(actors, steps, spec, progress, abandoned)
         with contextlib.suppress(Exception):
             ray.get([a.shutdown.remote() for a in actors], timeout=10)
         return spec, summaries
@@ -263,10 +295,20 @@ def run_with_ray(
         for actor in actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        settle(abandoned)
         if group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
         session.close()
+
+
+def settle(refs: list, budget_s: float = 2.0) -> None:
+    """Fetch and drop the outcome of calls abandoned when the run ended (their actors are
+    killed by now), so Ray does not print each one as an "Unhandled error" at exit."""
+    deadline = time.monotonic() + budget_s
+    for ref in refs:
+        with contextlib.suppress(Exception):
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def rank_order(metas: list[dict]) -> list[int]:
@@ -278,13 +320,14 @@ def rank_order(metas: list[dict]) -> list[int]:
     )
 
 
-def run_steps(actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress) -> list[dict]:
+def run_steps(
+    actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress, abandoned: list
+) -> list[dict]:
     """Each step on every rank at once, supervised; the last step's results are the summaries."""
     step_timeout = spec.timeout_s * 10  # collectives time out long before; guards local hangs
     results: list = []
     for step in steps:
-        results = supervise(
-            [a.step.remote(step.method, step.args) for a in actors], step.label, step_timeout
-        )
+        calls = [a.step.remote(step.method, step.args) for a in actors]
+        results = supervise(calls, step.label, step_timeout, abandoned)
         progress.done(step)
     return results

@@ -3,16 +3,27 @@
 The parent hosts the TCPStore on port 0 (the kernel picks the port; no race) and supervises the
 children: on the first failure it collects failures for a grace window, terminates the rest and
 raises the root cause. Rank r uses GPU r in CUDA mode.
+
+Only the parent acts on Ctrl-C: the children are started with SIGINT blocked and then ignore it,
+so a Ctrl-C in the terminal (SIGINT to the whole process group) makes the parent stop every rank
+and exit 130. A child also dies with the parent, even when the parent is SIGKILLed: on Linux it
+asks the kernel for SIGKILL on the parent's death (``prctl(PR_SET_PDEATHSIG)``), and it exits at
+once if the parent was already gone by then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
+import os
 import queue
 import signal
+import sys
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -21,7 +32,7 @@ import torch.multiprocessing as mp
 
 from ep_runtime.launch.progress import ProgressFactory
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
-from ep_runtime.launch.spec import LaunchError, RunSpec
+from ep_runtime.launch.spec import RunSpec, resolve_device
 from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
@@ -29,23 +40,42 @@ from ep_runtime.launch.supervision import (
     classify_exception_text,
     raise_if_stop_requested,
     root_failure,
+    usage_error_line,
     window_closed,
 )
 
 POLL_S = 0.1
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def resolve_device(requested: str, world_size: int) -> str:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cuda" and gpus < world_size:
-        raise LaunchError(f"--device cuda: {gpus} GPUs visible, --dp {world_size} needs one each")
-    if requested == "auto":
-        return "cuda" if gpus >= world_size else "cpu"
-    return requested
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux), and exit now if the
+    parent already has (it may have died before the request was made)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue) -> None:
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while children are started: they inherit the blocked mask
+    (so a Ctrl-C during their start-up cannot reach them); the parent gets it afterwards."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue, parent_pid: int) -> None:
     """Child process: run the whole plan; report steps (rank 0), the summary, or the error."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one is discarded
     try:
         store = dist.TCPStore(
             "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)
@@ -56,27 +86,33 @@ def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue) -> None:
         summary = run_plan(worker, on_step)
         worker.shutdown()
         events.put(("result", rank, summary))
-    except BaseException:
-        events.put(("error", rank, f"rank {rank} raised:\n{traceback.format_exc()}"))
+    except BaseException as error:
+        text = f"rank {rank} raised:\n{traceback.format_exc()}"
+        events.put(("error", rank, (text, usage_error_line(error))))
         raise SystemExit(1) from None
 
 
 def run_with_spawn(spec: RunSpec, progress_factory: ProgressFactory) -> tuple[RunSpec, list[dict]]:
     """Run ``spec`` in ``world_size`` child processes; returns every rank's summary, by rank."""
-    spec = dataclasses.replace(spec, device=resolve_device(spec.device, spec.world_size))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = resolve_device(spec.device, spec.world_size, gpus, "this machine")
+    spec = dataclasses.replace(spec, device=device)
     steps = plan(spec)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.get_context("spawn")
     events = context.Queue()
     processes = [
-        context.Process(target=_rank_main, args=(rank, spec, store.port, events), daemon=True)
+        context.Process(
+            target=_rank_main, args=(rank, spec, store.port, events, os.getpid()), daemon=True
+        )
         for rank in range(spec.world_size)
     ]
     with progress_factory(steps) as progress:
         progress.status("starting rank processes")
-        for process in processes:
-            process.start()
         try:
+            with sigint_blocked():
+                for process in processes:
+                    process.start()
             return spec, _supervise(processes, events, progress)
         finally:
             _terminate(processes)
@@ -85,7 +121,7 @@ def run_with_spawn(spec: RunSpec, progress_factory: ProgressFactory) -> tuple[Ru
 def _supervise(processes, events, progress) -> list[dict]:
     """Collect summaries until every rank reported; on the first failure, raise its root cause."""
     summaries: dict[int, dict] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[str, str | None]] = {}  # rank -> (traceback, usage error line)
     failed_order: list[int] = []  # ranks in the order their failure was noticed
     first_failure_at = 0.0
     while len(summaries) < len(processes):
@@ -110,6 +146,7 @@ def _supervise(processes, events, progress) -> list[dict]:
             break
     if not failed_order:
         return [summaries[rank] for rank in range(len(processes))]
+    raise_if_stop_requested()  # ranks that failed because of the Ctrl-C are no failure
     _drain(events, progress, summaries, errors)  # an error sent just before its process exited
     failures = [
         _failure(rank, processes[rank], errors.get(rank), order)
@@ -119,7 +156,9 @@ def _supervise(processes, events, progress) -> list[dict]:
     raise root_failure(failures, "the run", still_running=running)
 
 
-def _drain(events, progress, summaries: dict[int, dict], errors: dict[int, str]) -> None:
+def _drain(
+    events, progress, summaries: dict[int, dict], errors: dict[int, tuple[str, str | None]]
+) -> None:
     """Handle every queued event, waiting at most ``POLL_S`` for the first."""
     with contextlib.suppress(queue.Empty):
         while True:
@@ -132,9 +171,10 @@ def _drain(events, progress, summaries: dict[int, dict], errors: dict[int, str])
                 errors[rank] = payload
 
 
-def _failure(rank: int, process, error_text: str | None, order: int) -> Failure:
-    if error_text is not None:
-        return Failure(rank, classify_exception_text(error_text), error_text, order)
+def _failure(rank: int, process, error: tuple[str, str | None] | None, order: int) -> Failure:
+    if error is not None:
+        text, usage = error
+        return Failure(rank, classify_exception_text(text), text, order, usage)
     code = process.exitcode
     how = (
         f"killed by {signal.Signals(-code).name}"

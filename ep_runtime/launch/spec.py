@@ -9,14 +9,15 @@ import torch
 from ep_runtime.launch.presets import ModelPreset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-FAILURE_KINDS = ("raise", "exit", "kill", "hang")
+FAILURE_KINDS = ("raise", "input", "exit", "kill", "hang")
 
 
 @dataclass(frozen=True)
 class FailureInjection:
     """Test hook: make ``rank`` fail at timed iteration ``iteration`` of the first layout.
 
-    raise: a Python exception; exit: ``os._exit(1)``; kill: SIGKILL itself; hang: sleep forever.
+    raise: a Python exception; input: ``EPInputError``, as a backend rejecting its input;
+    exit: ``os._exit(1)``; kill: SIGKILL itself; hang: sleep forever.
     """
 
     rank: int
@@ -64,16 +65,39 @@ class RunSpec:
         return data
 
 
-class RankFailure(RuntimeError):
-    """A rank raised or died: the run was ended; ``rank`` is the first one that failed."""
+def resolve_device(requested: str, world_size: int, gpus: float, where: str) -> str:
+    """``--device``: ``auto`` is CUDA when ``gpus`` (visible to the launcher, ``where``) give
+    every rank one, else CPU; ``cuda`` with too few GPUs cannot start."""
+    if requested == "cuda" and gpus < world_size:
+        raise LaunchError(
+            f"--device cuda: expected a GPU per rank ({world_size}), given {gpus:g} GPUs on {where}"
+        )
+    if requested == "auto":
+        return "cuda" if gpus >= world_size else "cpu"
+    return requested
 
-    def __init__(self, rank: int | None, where: str, detail: str) -> None:
+
+class RankFailure(RuntimeError):
+    """A rank raised or died: the run was ended; ``rank`` is the first one that failed.
+
+    ``usage_error`` is set when that rank rejected its input or found no backend
+    (``EPInputError``, ``BackendUnavailableError``): one line naming the argument, printed
+    instead of the traceback (exit 2)."""
+
+    def __init__(
+        self, rank: int | None, where: str, detail: str, usage_error: str | None = None
+    ) -> None:
         self.rank = rank
         self.where = where
         self.detail = detail
+        self.usage_error = usage_error
         who = "a rank" if rank is None else f"rank {rank}"
         super().__init__(f"{who} ({where}) failed:\n{detail}")
 
+    def __reduce__(self) -> tuple:
+        return type(self), (self.rank, self.where, self.detail, self.usage_error), self.__dict__
+
 
 class LaunchError(RuntimeError):
-    """The run could not start (no cluster, not enough GPUs or CPUs); no rank failed."""
+    """The run could not start (no cluster, not enough GPUs or CPUs, an unwritable output);
+    no rank failed."""

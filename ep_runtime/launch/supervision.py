@@ -17,22 +17,28 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ep_runtime.launch.spec import RankFailure
+from ep_runtime.types import BackendUnavailableError, EPInputError
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 GRACE_S = 2.0  # after a peer's echo, how long to wait for the failure that caused it
-COMMUNICATION_MARKERS = (
-    "RemoteRankError",
+# Phrases of an error message that say a *peer* broke the collective. They are looked for in the
+# exception messages only, never in the stack frames: every gloo or NCCL set-up traceback passes
+# through ``ProcessGroupGloo(`` / ``ProcessGroupNCCL``, whoever is at fault.
+ECHO_MARKERS = (
+    "RemoteRankError",  # ep_runtime: another rank failed during this forward
     "Connection reset by peer",
     "Connection closed by peer",
     "Broken pipe",
-    "Timed out waiting",
+    "Timed out waiting",  # gloo: the peer never sent or received
     "timed out",
     "Socket Timeout",
-    "NCCL error",
-    "ProcessGroupNCCL",
-    "ProcessGroupGloo",
-    "DistBackendError",
+    "remote process exited",  # NCCL: a peer died
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+    "collective operation timeout",  # NCCL watchdog
 )
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
+USAGE_ERRORS = (EPInputError, BackendUnavailableError)
 
 
 class FailureKind(enum.IntEnum):
@@ -49,6 +55,7 @@ class Failure:
     kind: FailureKind
     detail: str  # traceback or exit description
     order: int  # arrival order, breaks ties
+    usage_error: str | None = None  # one line, when the rank rejected its input (see RankFailure)
 
 
 def window_closed(failures: Sequence[Failure], first_seen: float, now: float) -> bool:
@@ -59,12 +66,37 @@ def window_closed(failures: Sequence[Failure], first_seen: float, now: float) ->
     return any(f.kind < FailureKind.COMMUNICATION for f in failures) or now - first_seen >= GRACE_S
 
 
+def exception_messages(text: str) -> str:
+    """The lines of a traceback that are not stack frames: the messages of every exception in
+    the chain, and the headers around them."""
+    kept: list[str] = []
+    in_frame = False
+    for line in ANSI_ESCAPE.sub("", text).splitlines():
+        if _FRAME.match(line):
+            in_frame = True
+        elif in_frame and line.startswith("    "):  # the frame's source lines and ^^^ markers
+            continue
+        else:
+            in_frame = False
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def classify_exception_text(text: str) -> FailureKind:
-    return (
-        FailureKind.COMMUNICATION
-        if any(marker in text for marker in COMMUNICATION_MARKERS)
-        else FailureKind.RAISED
-    )
+    """COMMUNICATION when the exception messages say a peer broke the collective, else RAISED:
+    the rank's own error (a bad interface name, bad input, a bug) is blamed on that rank."""
+    messages = exception_messages(text)
+    if any(marker in messages for marker in ECHO_MARKERS):
+        return FailureKind.COMMUNICATION
+    return FailureKind.RAISED
+
+
+def usage_error_line(error: BaseException | None) -> str | None:
+    """One line for a rank's ``EPInputError`` / ``BackendUnavailableError``, else ``None``."""
+    if not isinstance(error, USAGE_ERRORS):
+        return None
+    text = "; ".join(line.strip().removeprefix("- ") for line in str(error).splitlines())
+    return f"{type(error).__name__}: {text}"
 
 
 def root_failure(
@@ -96,7 +128,7 @@ def root_failure(
             f"ranks {sorted(still_running)}"
         )
     kind = "died" if root.kind is FailureKind.DIED else "raised"
-    return RankFailure(root.rank, f"{kind} during {where}", "\n".join(lines))
+    return RankFailure(root.rank, f"{kind} during {where}", "\n".join(lines), root.usage_error)
 
 
 _STOP = threading.Event()

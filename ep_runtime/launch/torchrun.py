@@ -16,7 +16,7 @@ import torch
 
 from ep_runtime.launch.progress import ProgressFactory
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
-from ep_runtime.launch.spec import LaunchError, RunSpec
+from ep_runtime.launch.spec import LaunchError, RunSpec, resolve_device
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,9 @@ def run_with_env(
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise LaunchError(f"--launcher torchrun: {key} must be set (env:// rendezvous)")
-    if spec.device == "auto":
-        spec = dataclasses.replace(spec, device="cuda" if torch.cuda.is_available() else "cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = resolve_device(spec.device, 1, gpus, "this node")  # GPU LOCAL_RANK for this rank
+    spec = dataclasses.replace(spec, device=device)
     worker = RankWorker(spec, place.rank, place.local_rank)
     worker.init_process_group(init_method="env://")
     steps = plan(spec)

@@ -4,6 +4,8 @@ on a token sample that regenerates only the experts the sample touches.
 Every tensor comes from its own generator seeded by a stable hash of (seed, what, index), so a
 rank builds only its shard of experts and any rank can rebuild any expert bit for bit. Values
 depend on the device's generator (CPU and CUDA streams differ); a run uses one device type.
+Shapes come from the package's ``MoEConfig`` (``ModelPreset.moe_config``), ownership from
+``ExpertPlacement``; only the router is the preset's own.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import math
 
 import torch
 
+from ep_runtime.config import MoEConfig
 from ep_runtime.launch.presets import ModelPreset
+from ep_runtime.placement import ExpertPlacement
 from ep_runtime.reference import reference_moe
 from ep_runtime.routing import route
 
@@ -34,46 +38,49 @@ def _randn(shape: tuple[int, ...], scale: float, gen: torch.Generator, device: t
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale
 
 
-def w13_rows(model: ModelPreset) -> int:
-    """``2I`` for gated ``silu`` (``[gate; up]``), ``I`` for ``relu2``."""
-    return 2 * model.intermediate_size if model.activation == "silu" else model.intermediate_size
-
-
 def expert_weights(
-    model: ModelPreset, expert: int, seed: int, device: torch.device, dtype: torch.dtype
+    config: MoEConfig, expert: int, seed: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w13 [2I|I, H], w2 [H, I])`` of one expert, rounded to ``dtype``; N(0, 1/fan_in)."""
     gen = _generator(device, seed, "expert", expert)
-    hidden, inter = model.hidden_size, model.intermediate_size
-    w13 = _randn((w13_rows(model), hidden), 1 / math.sqrt(hidden), gen, device).to(dtype)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    w13 = _randn((config.w13_rows, hidden), 1 / math.sqrt(hidden), gen, device).to(dtype)
     w2 = _randn((hidden, inter), 1 / math.sqrt(inter), gen, device).to(dtype)
     return w13, w2
 
 
 def stacked_expert_weights(
-    model: ModelPreset, experts: list[int], seed: int, device: torch.device, dtype: torch.dtype
+    config: MoEConfig, experts: list[int], seed: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w13 [N, 2I|I, H], w2 [N, H, I])`` for the listed experts, built one at a time."""
-    hidden, inter = model.hidden_size, model.intermediate_size
-    w13 = torch.empty(len(experts), w13_rows(model), hidden, device=device, dtype=dtype)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    w13 = torch.empty(len(experts), config.w13_rows, hidden, device=device, dtype=dtype)
     w2 = torch.empty(len(experts), hidden, inter, device=device, dtype=dtype)
     for slot, expert in enumerate(experts):
-        w13[slot], w2[slot] = expert_weights(model, expert, seed, device, dtype)
+        w13[slot], w2[slot] = expert_weights(config, expert, seed, device, dtype)
     return w13, w2
 
 
-def shard_weight_bytes(model: ModelPreset, world_size: int, dtype: torch.dtype) -> int:
+def local_experts(config: MoEConfig, rank: int, world_size: int) -> list[int]:
+    """The expert ids ``rank`` owns (``ExpertPlacement``: a contiguous range)."""
+    placement = ExpertPlacement(config.num_experts, rank, world_size)
+    start = placement.local_expert_offset
+    return list(range(start, start + placement.num_local_experts))
+
+
+def shard_weight_bytes(config: MoEConfig, world_size: int, dtype: torch.dtype) -> int:
     """Bytes of expert weights one rank holds: ``E/W · (rows·H + H·I)`` elements."""
-    per_expert = (w13_rows(model) + model.intermediate_size) * model.hidden_size
-    return model.num_experts // world_size * per_expert * dtype.itemsize
+    per_expert = (config.w13_rows + config.intermediate_size) * config.hidden_size
+    num_local = ExpertPlacement(config.num_experts, 0, world_size).num_local_experts
+    return num_local * per_expert * dtype.itemsize
 
 
 def rank_hidden_states(
-    model: ModelPreset, rank: int, tokens: int, seed: int, device: torch.device, dtype: torch.dtype
+    config: MoEConfig, rank: int, tokens: int, seed: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """``x [T, H]`` of one rank, N(0, 1), rounded to ``dtype``."""
     gen = _generator(device, seed, "x", rank)
-    return _randn((tokens, model.hidden_size), 1.0, gen, device).to(dtype)
+    return _randn((tokens, config.hidden_size), 1.0, gen, device).to(dtype)
 
 
 def rank_routing(
@@ -121,18 +128,19 @@ def sampled_reference(
     Experts are regenerated ``experts_per_chunk`` at a time with ids remapped to the chunk, so
     memory is bounded by the chunk, not by E (DeepSeek-V3 has 256 experts, 22 GB in bf16).
     """
+    config = model.moe_config()
     touched = sorted(int(e) for e in topk_ids[topk_ids >= 0].unique().tolist())
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     scale = torch.zeros(x.size(0), dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
     for start in range(0, len(touched), experts_per_chunk):
         chunk = touched[start : start + experts_per_chunk]
-        w13, w2 = stacked_expert_weights(model, chunk, seed, x.device, x.dtype)
+        w13, w2 = stacked_expert_weights(config, chunk, seed, x.device, x.dtype)
         chunk_ids = torch.full_like(ids, -1)
         for slot, expert in enumerate(chunk):
             chunk_ids[ids == expert] = slot
         part, part_scale = reference_moe(
-            x, chunk_ids, topk_weights, w13, w2, activation=model.activation, return_scale=True
+            x, chunk_ids, topk_weights, w13, w2, activation=config.activation, return_scale=True
         )
         out += part
         scale += part_scale
