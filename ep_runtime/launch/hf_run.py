@@ -297,7 +297,9 @@ def reference_greedy(
         return_dict_in_generate=True,
     )
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+        ids = torch.tensor([prompt], device=device)  # [1, P]
+        # an explicit mask: generate() would otherwise take ids equal to pad_token_id for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.stack([step[0].float().cpu() for step in out.logits])
 
