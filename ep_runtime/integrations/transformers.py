@@ -310,6 +310,7 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def architecture_of(name: str, block: nn.Module) -> Architecture:
+    """The supported architecture of ``block`` (found at ``name``), or the error naming it."""
     for arch in ARCHITECTURES:
         if arch.matches(block):
             return arch
@@ -325,7 +326,9 @@ def patch_moe_blocks(
     (``None``: the default group if initialised, else a world of 1), keeping only this rank's
     expert shard and freeing the HF expert tensors. ``layer_options`` go to ``EPMoE``
     (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
-    the same model (it builds EP layers, which agree on backends collectively)."""
+    the same model (it builds EP layers, which agree on backends collectively). Move and cast
+    the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
+    them where they are."""
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
