@@ -20,8 +20,8 @@ pytestmark = needs_transformers
 
 def test_spawn_run_generates_the_unpatched_models_tokens(tmp_path: Path, capsys) -> None:
     path = tmp_path / "report.json"
-    argv = ["--launcher", "spawn", "--dp", "2", "--hf-model", "qwen3-moe", "--json", str(path)]
-    code = main(argv)
+    argv = ["--launcher", "spawn", "--dp", "2", "--device", "cpu", "--hf-model", "qwen3-moe"]
+    code = main([*argv, "--json", str(path)])  # CPU: fp32, as the reference built here
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
     assert "PASSED" in out and "tok/s" in out and "MoE s" in out

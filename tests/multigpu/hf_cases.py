@@ -8,6 +8,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ep_runtime.comm import default_device
 from ep_runtime.integrations.transformers import (
     build_random_model,
     find_moe_blocks,
@@ -25,10 +26,11 @@ def generate_on_rank(
     seed: int,
     experts: str,
 ) -> dict:
-    """Build the seeded random model, patch it on the pool's group, generate this rank's request
-    in lockstep; also what the rank holds afterwards."""
+    """Build the seeded random model (on the pool's device), patch it on the pool's group,
+    generate this rank's request in lockstep; also what the rank holds afterwards."""
     rank = dist.get_rank()
-    model = build_random_model(random_config(arch), seed=seed)
+    device = default_device(dist.group.WORLD)  # CPU on gloo, this rank's GPU on NCCL
+    model = build_random_model(random_config(arch), seed=seed, device=str(device))
     hf_tensors = [
         weakref.ref(tensor)
         for _, block in find_moe_blocks(model)

@@ -49,10 +49,12 @@ def test_ranks_generate_the_unpatched_models_tokens(pool_factory, arch: str, wor
         for rank, (length, _) in enumerate(requests)
     ]
     new_tokens = [n for _, n in requests]
-    experts = "reference" if arch == "mixtral" else "grouped_mm"  # both experts backends
-    results = pool_factory(world_size).run_ok(
-        generate_on_rank, arch, prompts, new_tokens, eos, SEED, experts
+    pool = pool_factory(world_size)
+    # both CPU experts backends; on NCCL ranks (fp32 on GPUs) whatever "auto" picks
+    experts = (
+        "auto" if pool.backend == "nccl" else "reference" if arch == "mixtral" else "grouped_mm"
     )
+    results = pool.run_ok(generate_on_rank, arch, prompts, new_tokens, eos, SEED, experts)
     num_experts, hidden, intermediate = moe_shape(reference)
     tolerance = tolerance_for(torch.float32, max(hidden, intermediate))
     generated = []
