@@ -79,5 +79,7 @@ def _mask_to_top_groups(
     group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
     kept = group_scores.topk(num_topk_groups, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)
+    expert_mask = (
+        group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, num_experts)
+    )
     return choice.masked_fill(~expert_mask, float("-inf"))

@@ -48,6 +48,21 @@ def test_deepseek_v3_group_limited_sigmoid_with_bias() -> None:
     torch.testing.assert_close(weights[0].sort().values, expected.sort().values)
 
 
+@pytest.mark.parametrize("groups", [None, 4])
+def test_no_tokens_route_to_empty_ids_and_weights(groups: int | None) -> None:
+    """An idle rank routes zero tokens (T = 0) with every router, group-limited included."""
+    ids, weights = route(
+        torch.empty(0, 8),
+        2,
+        scoring="sigmoid",
+        correction_bias=torch.zeros(8),
+        num_expert_groups=groups,
+        num_topk_groups=None if groups is None else 2,
+    )
+    assert ids.shape == weights.shape == (0, 2)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+
+
 def test_logical_to_physical_map_applied_last() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     mapping = torch.tensor([3, 2, 1, 0])

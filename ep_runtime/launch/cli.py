@@ -21,6 +21,7 @@ from rich.console import Console
 from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
+from ep_runtime.launch import hf_run
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.spec import (
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=FailureInjection.parse,
         help="testing the supervision: make one rank fail at a timed iteration",
     )
+    hf_run.add_arguments(parser)
     return parser
 
 
@@ -285,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             place = env_rank()
             world_size, reports_here = place.world_size, place.rank == 0
-        spec = build_spec(args, world_size)
+        spec = (hf_run.build_spec if args.hf_model else build_spec)(args, world_size)
         if reports_here:
             check_outputs(args)
     except (ValueError, RuntimeError) as error:
@@ -316,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every rank was stopped")
         return EXIT_INTERRUPTED
+    if spec.hf is not None:
+        elapsed = time.perf_counter() - started
+        return hf_run.finish(spec, launcher, summaries, elapsed, is_reporter, console, args.json)
     report = build_report(spec.to_json(), launcher, summaries, time.perf_counter() - started)
     if is_reporter:
         print_report(report, console)

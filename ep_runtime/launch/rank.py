@@ -53,6 +53,10 @@ class Step:
 
 def plan(spec: RunSpec) -> list[Step]:
     """The steps of a run, identical on every rank."""
+    if spec.hf is not None:
+        from ep_runtime.launch import hf_run
+
+        return hf_run.plan(spec)
     steps = [Step("setup", (), 1, "weights and inputs")]
     chunk = max(1, spec.iters // 10)
     for case, layout in enumerate(spec.layouts):
@@ -116,6 +120,7 @@ class RankWorker:
         self.graph_out: torch.Tensor | None = None  # [T, H] the graph's static output
         self.case = -1
         self.cases: list[dict] = []
+        self.hf_worker = None  # --hf-model runs (launch/hf_run.py)
 
     # rendezvous -----------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -154,6 +159,8 @@ class RankWorker:
         self.clock = PhaseClock(self.comm)
 
     def shutdown(self) -> None:
+        if self.hf_worker is not None:
+            self.hf_worker.close()
         if self.layer is not None:
             self.layer.close()
             self.layer = None
@@ -161,6 +168,14 @@ class RankWorker:
             dist.destroy_process_group()
 
     # steps ----------------------------------------------------------------------------------
+    def hf(self, method: str) -> object:
+        """A step of an ``--hf-model`` run: ``HFRankWorker.<method>()``."""
+        if self.hf_worker is None:
+            from ep_runtime.launch.hf_run import HFRankWorker
+
+            self.hf_worker = HFRankWorker(self)
+        return getattr(self.hf_worker, method)()
+
     def setup(self) -> None:
         """Inputs and routing of this rank and the global routing counts."""
         spec, model, device = self.spec, self.spec.model, self.device

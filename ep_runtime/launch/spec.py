@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ep_runtime.launch.presets import ModelPreset
+
+if TYPE_CHECKING:
+    from ep_runtime.launch.hf_run import HFRun
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FAILURE_KINDS = ("raise", "input", "exit", "kill", "hang")
@@ -54,6 +58,7 @@ class RunSpec:
     baselines: bool = True
     timeout_s: float = 60.0  # every collective; a desync fails instead of hanging
     inject_failure: FailureInjection | None = None
+    hf: HFRun | None = None  # --hf-model: a transformers model generating (launch/hf_run.py)
 
     def torch_dtype(self) -> torch.dtype | None:
         """``None`` lets ``MoEConfig`` choose (bf16 on CUDA, fp32 on CPU)."""

@@ -1,0 +1,280 @@
+"""Tokens/s of a Qwen3-30B-A3B-shaped transformers model: transformers' own MoE blocks vs
+ep_runtime's (``patch_moe_blocks``), at prefill and decode, world size 1 (no process group).
+
+The model has Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of intermediate 768, top-8,
+32 heads / 4 KV heads of 128) with ``--layers`` layers and seeded random weights. Each
+transformers experts implementation in ``--hf-experts`` is timed first; then the same model is
+patched (its MoE blocks become EP blocks) and timed again. Prefill: ``--prefill-batch`` prompts
+of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
+with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
+medians over ``--iters`` (after ``--warmup``), device-synchronised.
+
+    python scripts/hf_bench.py                  # GPU: bf16, the shapes above
+    python scripts/hf_bench.py --tiny           # CPU check: a small model, a few tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from ep_runtime.integrations.transformers import patch_moe_blocks, require_transformers
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    intermediate_size=6144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    norm_topk_prob=True,
+)
+TINY = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    intermediate_size=96,
+    num_experts=16,
+    num_experts_per_tok=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    norm_topk_prob=True,
+)
+TINY_WORKLOAD = dict(
+    prefill_batch=2, prefill_len=32, decode_batch=4, decode_context=16, decode_steps=4, iters=2
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="a small model and workload (CPU)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--hf-experts",
+        default="grouped_mm,eager",
+        help="transformers experts implementations to time (the first is the baseline)",
+    )
+    parser.add_argument("--experts", default="auto", help="ep_runtime experts backend")
+    parser.add_argument("--dispatcher", default="auto", help="ep_runtime dispatcher")
+    parser.add_argument("--mode", choices=("exact", "capacity"), default="exact")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        given = set(argv if argv is not None else sys.argv[1:])
+        for key, value in TINY_WORKLOAD.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+        if "--layers" not in given:
+            args.layers = 2
+    return args
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """A Qwen3-MoE causal LM, every layer MoE, weights ~ N(0, 1/fan_in) generated on device."""
+    hf = require_transformers()
+    shapes = TINY if args.tiny else QWEN3_30B_A3B
+    config = hf.Qwen3MoeConfig(
+        **shapes,
+        num_hidden_layers=args.layers,
+        max_position_embeddings=max(args.prefill_len, args.decode_context) + 1024,
+        tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        model = hf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param.size(-1) ** -0.5, generator=generator)
+            else:
+                param.fill_(1.0)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, iters: int, warmup: int):
+    """Median wall time of ``run()`` over ``iters`` calls after ``warmup`` calls, synchronised."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(model, args, device: torch.device, prompts: torch.Tensor, decode_state) -> dict:
+    """Prefill and decode times of ``model`` as it is now; returns seconds and the prefill
+    logits (last token of each prompt)."""
+    context_cache, next_tokens = decode_state
+
+    def prefill() -> torch.Tensor:
+        return model(input_ids=prompts, use_cache=False, logits_to_keep=1).logits
+
+    def decode() -> None:
+        cache = copy.deepcopy(context_cache)
+        tokens = next_tokens
+        for _ in range(args.decode_steps):
+            out = model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
+            cache = out.cache
+            tokens = out.logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        logits = prefill()[:, -1].float().cpu()  # [B, V]
+        prefill_s = median_seconds(prefill, device, args.iters, args.warmup)
+        decode_s = median_seconds(decode, device, args.iters, args.warmup)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "logits": logits}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hf = require_transformers()
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    console = Console(width=120)
+    command = "python scripts/hf_bench.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
+    torch.manual_seed(args.seed)
+    model = build_model(args, device, dtype)
+    config = model.config
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    prompts = torch.randint(
+        0, config.vocab_size, (args.prefill_batch, args.prefill_len), generator=generator
+    ).to(device)
+    context = torch.randint(
+        0, config.vocab_size, (args.decode_batch, args.decode_context), generator=generator
+    ).to(device)
+    with torch.no_grad():  # the KV cache every decode timing starts from (copied each time)
+        out = model(input_ids=context, use_cache=True, logits_to_keep=1)
+        decode_state = (out.cache, out.logits[:, -1:].argmax(-1))
+    results: dict[str, dict] = {}
+    for implementation in args.hf_experts.split(","):
+        model.set_experts_implementation(implementation)
+        results[f"transformers {implementation}"] = measure(
+            model, args, device, prompts, decode_state
+        )
+    report = patch_moe_blocks(
+        model,
+        dispatcher=args.dispatcher,
+        experts=args.experts,
+        mode=args.mode,
+        max_tokens_per_rank=max(args.prefill_batch * args.prefill_len, args.decode_batch),
+    )
+    choice = report.choice.splitlines()[0]
+    results[f"ep_runtime ({choice.replace('dispatcher=', '').replace('experts=', '')})"] = measure(
+        model, args, device, prompts, decode_state
+    )
+
+    baseline_name = next(iter(results))
+    tolerance = tolerance_for(dtype, max(config.hidden_size, config.moe_intermediate_size))
+    tokens = {
+        "prefill": args.prefill_batch * args.prefill_len,
+        "decode": args.decode_batch * args.decode_steps,
+    }
+    forwards = {"prefill": 1, "decode": args.decode_steps}
+    table = Table(
+        title=f"{config.num_hidden_layers} layers of Qwen3-30B-A3B shape (H={config.hidden_size}, "
+        f"E={config.num_experts}, I={config.moe_intermediate_size}, K={config.num_experts_per_tok})"
+        f", {args.dtype}, {device}, world size 1"
+        if not args.tiny
+        else f"--tiny: {config.num_hidden_layers} layers, H={config.hidden_size}, "
+        f"E={config.num_experts}, K={config.num_experts_per_tok}, {args.dtype}, {device}"
+    )
+    for column in ("phase", "MoE blocks", "tokens", "ms / forward", "tokens/s", "vs baseline"):
+        table.add_column(column, justify="left" if column in ("phase", "MoE blocks") else "right")
+    rows = []
+    for phase in ("prefill", "decode"):
+        base_s = results[baseline_name][f"{phase}_s"]
+        for name, result in results.items():
+            seconds = result[f"{phase}_s"]
+            row = {
+                "phase": phase,
+                "moe_blocks": name,
+                "tokens_per_timing": tokens[phase],
+                "ms_per_forward": seconds / forwards[phase] * 1e3,
+                "tokens_per_s": tokens[phase] / seconds,
+                "vs_baseline": base_s / seconds,
+            }
+            rows.append(row)
+            table.add_row(
+                phase,
+                name,
+                str(tokens[phase]),
+                f"{row['ms_per_forward']:.2f}",
+                f"{row['tokens_per_s']:,.0f}",
+                f"{row['vs_baseline']:.2f}x",
+            )
+    console.print(table)
+    ours = results[list(results)[-1]]["logits"]
+    agreement = compare_per_token(ours, results[baseline_name]["logits"], tolerance)
+    console.print(
+        f"prefill last-token logits, ep_runtime vs {baseline_name}: {agreement.describe()}",
+        highlight=False,
+    )
+    console.print(
+        f"decode: batch {args.decode_batch}, {args.decode_context}-token cache, "
+        f"{args.decode_steps} steps; prefill: batch {args.prefill_batch} × {args.prefill_len}; "
+        f"medians of {args.iters} after {args.warmup} warm-up; torch {torch.__version__}, "
+        f"transformers {hf.__version__}"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+        highlight=False,
+    )
+    console.print(f"command: {command}", highlight=False, soft_wrap=True)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "rows": rows,
+                    "logits_agreement": agreement.describe(),
+                    "ep_choice": report.choice,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
