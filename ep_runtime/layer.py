@@ -372,7 +372,6 @@ class EPMoE(torch.nn.Module):
                 dtype=self.dtype,
                 device=self.device,
                 capacity=self.max_tokens_per_rank if self.mode is DispatchMode.CAPACITY else None,
-                check_values=not self.checks_on_device,
             )
             if out is not None and (
                 out.shape != x.shape or out.dtype != x.dtype or out.device != x.device

@@ -1,6 +1,8 @@
 """Input checks, done before any rank communicates. Each error names the argument, the expected
-and the given value. Shape/dtype/device checks are free and always run; value checks (id range,
-duplicates) need the data and run in exact mode and on CPU."""
+and the given value. Shape/dtype/device checks are free and run here; id values (range,
+repeats) are checked by the route on the device (kernels), which marks this rank's header failed
+(or, in capacity mode on CUDA, drops and counts them); ``check_topk_id_values`` then explains
+the failure on the error path."""
 
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ def check_forward_inputs(
     dtype: torch.dtype,
     device: torch.device,
     capacity: int | None,
-    check_values: bool,
 ) -> None:
     """Raise ``EPInputError`` for the first problem found. ``capacity`` set: T must fit it."""
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -57,8 +58,6 @@ def check_forward_inputs(
         raise EPInputError(
             "x", f"at most max_tokens_per_rank={capacity} rows in capacity mode", num_tokens
         )
-    if check_values and num_tokens > 0:
-        check_topk_id_values(topk_ids, config.num_experts)
 
 
 def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:

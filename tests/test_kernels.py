@@ -138,6 +138,40 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
         assert int(want_control[Control.BAD_IDS]) > 3, "the case should drop ids"
 
 
+@pytest.mark.parametrize("status", [0, 2])
+def test_route_tokens_invalid_ids_fail_the_header(device, status) -> None:
+    """``invalid_status``: invalid ids set the header's status (where it was OK) instead of
+    being counted; valid ids leave it OK."""
+    fields = torch_ops.HeaderFields(status, 9, 0, 1, 3, 1)
+    distinct = torch.rand(40, 8, generator=generator(5)).topk(3, dim=1).indices
+    for invalid in (True, False):
+        ids = routing_ids(40, 3, 8, invalid=True, seed=5) if invalid else distinct
+        ids = ids.to(device)
+        results = []
+        for ops in (triton_ops, torch_ops):
+            control = new_control(device, [4, 3])
+            header = torch.empty(2, HEADER_INTS, dtype=torch.int32, device=device)
+            route = ops.route_tokens(
+                ids,
+                num_experts=8,
+                experts_per_rank=4,
+                world_size=2,
+                drop_invalid=True,
+                control=control,
+                fields=fields,
+                header_out=header,
+                invalid_status=1,
+            )
+            results.append((route, control))
+        (got, got_control), (want, want_control) = results
+        for field in ("ids", "dest_slot", "token_of", "header"):
+            assert_bitwise(getattr(got, field), getattr(want, field), field)
+        assert_bitwise(got_control, want_control, "control")
+        expected = status or (1 if invalid else 0)
+        assert got.header[:, Field.STATUS].tolist() == [expected] * 2
+        assert int(got_control[Control.BAD_IDS]) == 3  # reported by the status, not counted
+
+
 def test_route_tokens_all_unused(device) -> None:
     ids = torch.full((9, 3), -1, dtype=torch.int64, device=device)
     fields = torch_ops.HeaderFields(0, 1, 0, 1, 3, 1)

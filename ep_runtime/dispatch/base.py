@@ -32,10 +32,12 @@ from ep_runtime.types import (
     ClosedError,
     Dispatched,
     DispatchMode,
+    EPInputError,
     ForwardMismatchError,
     RemoteRankError,
     TopkLayout,
 )
+from ep_runtime.validation import check_topk_id_values
 
 FINAL_METHODS = ("dispatch", "combine")
 DEVICE_CHECKS_ENV = "EP_RUNTIME_CHECKS_ON_DEVICE"
@@ -200,7 +202,14 @@ class Dispatcher(abc.ABC):
             plan = self._plan(x, topk_ids, topk_weights, fields)
             header_pair = plan.header_pair  # [2, W, HEADER_INTS]: sent, received
             received = self.peers.all_to_all(header_pair[0], recv=header_pair[1])
-            outcome = self.protocol.check(header_pair, received, Phase.DISPATCH, failure, top_k)
+            outcome = self.protocol.check(
+                header_pair,
+                received,
+                Phase.DISPATCH,
+                failure,
+                top_k,
+                explain=lambda: invalid_ids_error(topk_ids, self.setup.num_experts),
+            )
             dispatched = None
             if outcome.error is None or self.setup.checks_on_device:
                 dispatched = self._send(plan, layout, outcome)
@@ -322,6 +331,15 @@ class Dispatcher(abc.ABC):
     def close(self) -> None:
         self._closed = True
         self.peers.close()
+
+
+def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException:
+    """The error for ids the route found invalid on the device (read here on the error path)."""
+    try:
+        check_topk_id_values(topk_ids, num_experts)
+    except EPInputError as error:
+        return error
+    return EPInputError("topk_ids", f"values in [0, {num_experts}) or -1, distinct", "invalid")
 
 
 def _with_handle(dispatched: Dispatched, handle: ForwardHandle) -> Dispatched:

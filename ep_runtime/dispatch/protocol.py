@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,9 @@ class ForwardProtocol:
         self.world_size = peers.comm.world_size
         self.checks_on_device = checks_on_device
         self.control = new_control(device)  # [CONTROL_INTS] int32
+        # invalid ids: where headers are read on the host, they fail the forward through the
+        # header's status (every rank raises); on the device they are dropped and counted
+        self.invalid_ids_status = 0 if checks_on_device else int(ForwardStatus.INPUT_ERROR)
         self._combine_headers: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def dispatch_fields(
@@ -114,9 +118,12 @@ class ForwardProtocol:
         phase: Phase,
         own_error: BaseException | None,
         top_k: int,  # this rank's K (0: no tokens); ignored for the combine
+        explain: Callable[[], BaseException] | None = None,
     ) -> Outcome:
         """Check the headers of one phase; every rank reaches the same verdict. Where headers
-        are read on the host, the outcome carries them (exact mode sizes its buffers from them)."""
+        are read on the host, the outcome carries them (exact mode sizes its buffers from them).
+        ``explain``: this rank's error when its own header says its input was bad (the route
+        found invalid ids on the device)."""
         if self.checks_on_device:
             if self.world_size > 1:
                 record_headers(
@@ -130,12 +137,16 @@ class ForwardProtocol:
             return Outcome(error=own_error, failed=self.control[Control.FORWARD_FAILED])
         if self.world_size == 1:
             sent = self.peers.to_host(received) if phase is Phase.DISPATCH else None
+            if own_error is None and sent is not None and sent[0][Field.STATUS] and explain:
+                own_error = explain()
             return Outcome(error=own_error, sent=sent, received=sent)
         if header_pair is not None:
             sent, headers = self.peers.to_host(header_pair)
         else:
             sent, headers = None, self.peers.to_host(received)
         statuses = [row[Field.STATUS] for row in headers]
+        if own_error is None and statuses[self.rank] and explain is not None:
+            own_error = explain()
         if any(statuses):
             return Outcome(error=self._failure(statuses, own_error))
         mismatch = self._mismatch(headers, phase)

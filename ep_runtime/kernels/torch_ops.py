@@ -62,11 +62,14 @@ def route_tokens(
     control: torch.Tensor,  # [CONTROL_INTS] int32; SEQ read and advanced, BAD_IDS counted
     fields: HeaderFields,
     header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
+    invalid_status: int = 0,
 ) -> Route:
     """Destinations and chunk rows of every token, and the header to each rank.
 
-    ``drop_invalid``: ids out of ``[0, E)`` (other than -1) and repeats within a row become -1
-    and are counted in ``control[BAD_IDS]`` (for inputs whose values were not checked)."""
+    ``drop_invalid``: ids out of ``[0, E)`` (other than -1) and repeats within a row become -1.
+    They are counted in ``control[BAD_IDS]``, or, with a nonzero ``invalid_status``, make the
+    header's status that (where ``fields.status`` is OK): every rank then learns of the bad
+    input from the header exchange, at no extra cost to good input."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     ids = topk_ids.to(torch.int64)
@@ -77,8 +80,9 @@ def route_tokens(
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids.unsqueeze(2) >= 0)  # [T, K, K]
         repeated = (same & (later.view(1, 1, -1) < later.view(1, -1, 1))).any(dim=2)
         ids = ids.masked_fill(repeated, -1)
-        dropped = out_of_range.sum() + repeated.sum()
-        control[Control.BAD_IDS] += dropped.to(torch.int32)
+        dropped = (out_of_range.sum() + repeated.sum()).to(torch.int32)
+        if not invalid_status:
+            control[Control.BAD_IDS] += dropped
     owner = torch.where(ids >= 0, ids // experts_per_rank, world_size)  # [T, K], W = unused
     mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, owner, True)
@@ -97,6 +101,8 @@ def route_tokens(
     header = header_out
     header.zero_()
     header[:, Field.STATUS] = fields.status
+    if drop_invalid and invalid_status and fields.status == 0:
+        header[:, Field.STATUS] = torch.where(dropped > 0, invalid_status, 0)
     header[:, Field.SEQ] = control[Control.SEQ]
     header[:, Field.FINGERPRINT] = fields.fingerprint
     header[:, Field.LAYER] = fields.layer

@@ -192,6 +192,7 @@ def _route_kernel(
     phase,
     top_k_field,
     num_chunks,
+    invalid_status,  # nonzero: invalid ids make the status this instead of being counted
     top_k,
     world,
     KP: tl.constexpr,  # top_k padded to a power of two
@@ -251,6 +252,11 @@ def _route_kernel(
         past = (s[:, None] < num_tokens) & (s[:, None] >= rows[None, :]) & (w[None, :] < world)
         tl.store(token_of + w[None, :].to(tl.int64) * num_tokens + s[:, None], -1, mask=past)
     slots = tl.sum(slot_lanes, axis=0)  # [WP]
+    dropped = tl.sum(dropped_lanes, axis=0)
+    if DROP:  # invalid ids fail this rank's forward (as the header's status) if asked to
+        status = tl.where(
+            (dropped > 0) & (invalid_status != 0) & (status == 0), invalid_status, status
+        )
     f = tl.arange(0, HINTS)[None, :]  # [1, HEADER_INTS]
     values = tl.zeros([WP, HINTS], dtype=tl.int32)
     values = tl.where(f == F_STATUS, status, values)
@@ -266,7 +272,7 @@ def _route_kernel(
     tl.store(control + C_SEQ, seq + 1)
     tl.store(control + C_FORWARD_FAILED, 0)
     if DROP:
-        tl.store(control + C_BAD_IDS, bad_ids + tl.sum(dropped_lanes, axis=0))
+        tl.store(control + C_BAD_IDS, bad_ids + tl.where(invalid_status == 0, dropped, 0))
 
 
 def route_tokens(
@@ -279,6 +285,7 @@ def route_tokens(
     control: torch.Tensor,  # [CONTROL_INTS] int32; SEQ read and advanced, BAD_IDS counted
     fields: HeaderFields,
     header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
+    invalid_status: int = 0,
 ) -> Route:
     """Destinations and chunk rows of every token, and the header to each rank (one launch;
     ``torch_ops.route_tokens`` is the spec)."""
@@ -309,6 +316,7 @@ def route_tokens(
         fields.phase,
         fields.top_k,
         fields.num_chunks,
+        invalid_status,
         top_k=top_k,
         world=world_size,
         KP=kp,

@@ -250,7 +250,7 @@ class RankWorker:
             recorder.reset()
             layer.phase_timer = recorder
             try:
-                self.phase_out = layer(x, ids, weights)
+                layer(x, ids, weights)
             finally:
                 layer.phase_timer = None
             _, t_layer = clock.time(lambda: layer(x, ids, weights))
@@ -269,7 +269,11 @@ class RankWorker:
         the phase-timed forward's output vs this one's, bitwise (combine is deterministic)."""
         layer, spec, model = self._layer(), self.spec, self.spec.model
         out = layer(self.x, self.topk_ids, self.topk_weights)  # [T, H]
-        phase_out = self.phase_out  # the last phase-timed forward of the same inputs
+        layer.phase_timer = PhaseRecorder(self.clock)  # the path run_iters times
+        try:
+            phase_out = layer(self.x, self.topk_ids, self.topk_weights)
+        finally:
+            layer.phase_timer = None
         sample = workload.validation_sample(out.size(0), spec.validate_tokens, spec.seed, self.rank)
         rows = sample.to(self.device)
         reference, scale, touched = workload.sampled_reference(

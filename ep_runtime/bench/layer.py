@@ -1,0 +1,277 @@
+"""The layer against its own GEMMs: ``python -m ep_runtime.bench`` (one CUDA GPU, world size 1).
+
+Per point, all measured in one run: the layer forward (eager, and replayed as a CUDA graph in
+capacity mode), the same two ``torch._grouped_mm`` calls alone on the same grouped rows, their
+ratio, the CUDA kernels one eager forward launches (torch.profiler), and the HBM floor: the
+bytes of the expert weights the forward reads ÷ the rate of a 2 GiB device-to-device copy
+(read + write) measured in the same run. Every point's output is checked against
+``reference_moe`` on a token sample first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ep_runtime import EPMoE, MoEConfig, reference_moe
+from ep_runtime.kernels import group_rows, weighted_activation
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+
+BF16 = torch.bfloat16
+VALIDATED_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    num_experts: int  # the rank's experts (world size 1: all of them)
+    tokens: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    mode: str
+    layout: str
+
+
+POINTS = {
+    point.name: point
+    for point in (
+        Point("deepseek-v3-ep8-shard-prefill", 32, 4096, 7168, 2048, 8, "exact", "expanded"),
+        Point("qwen3-30b-a3b-prefill", 128, 4096, 2048, 768, 8, "exact", "expanded"),
+        Point("deepseek-v3-ep8-shard-decode", 32, 128, 7168, 2048, 8, "capacity", "expanded"),
+        Point("qwen3-30b-a3b-decode", 128, 128, 2048, 768, 8, "capacity", "expanded"),
+    )
+}
+
+
+@dataclass
+class Measured:
+    point: str
+    layout: str
+    mode: str
+    passed: bool
+    max_rel_err: float
+    layer_ms: float
+    gemms_ms: float
+    gemms_over_layer: float
+    kernels_per_forward: int
+    copies_per_forward: int
+    graph_ms: float | None
+    graph_over_gemms: float | None
+    hbm_floor_ms: float
+    graph_over_floor: float | None
+    eager_over_gemms: float
+
+
+def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median of ``iters`` CUDA-event timings of ``work``."""
+    for _ in range(warmup):
+        work()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_rate_bytes_per_ms(device: torch.device) -> float:
+    """Bytes read + written per ms by a 2 GiB device-to-device copy."""
+    source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    ms = time_ms(lambda: target.copy_(source), iters=10)
+    return 2 * source.numel() / ms
+
+
+def device_activity(work: Callable[[], object]) -> tuple[int, int, dict[str, int]]:
+    """(kernels, memcpy + memset, kernel names) one call of ``work`` puts on the GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        work()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profile.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e["name"] for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    return len(kernels), len(copies), dict(Counter(kernels))
+
+
+def inputs(point: Point, device: torch.device, seed: int = 0):
+    """Weights, tokens, and balanced routing (distinct random experts per token)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = point.num_experts, point.hidden, point.intermediate
+    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(BF16)
+    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).to(BF16)
+    x = torch.randn(point.tokens, h, device=device, generator=g).to(BF16)
+    scores = torch.rand(point.tokens, e, device=device, generator=g)
+    ids = scores.topk(point.top_k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(point.tokens, point.top_k, device=device, generator=g)
+    return w13, w2, x, ids, weights
+
+
+def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, dict]:
+    w13, w2, x, ids, weights = inputs(point, device)
+    config = MoEConfig(
+        point.num_experts,
+        point.top_k,
+        point.hidden,
+        point.intermediate,
+        dtype=BF16,
+        max_tokens_per_rank=point.tokens,
+    )
+    layer = EPMoE(
+        config,
+        dispatcher="torch_a2a",
+        experts="grouped_mm",
+        layout=point.layout,
+        mode=point.mode,
+        device=device,
+    )
+    try:
+        layer.load_weights(w13, w2)
+        out = layer(x, ids, weights)
+        sample = torch.arange(0, point.tokens, max(1, point.tokens // VALIDATED_TOKENS))
+        ref, scale = reference_moe(
+            x[sample], ids[sample], weights[sample], w13, w2, return_scale=True
+        )
+        comparison = compare_per_token(
+            out[sample], ref, tolerance_for(BF16, max(point.hidden, point.intermediate)), scale
+        )
+        layer_ms = time_ms(lambda: layer(x, ids, weights))
+        kernels, copies, names = device_activity(lambda: layer(x, ids, weights))
+        grouped = group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
+            x,
+            ids,
+            weights,
+            local_offset=0,
+            num_local=point.num_experts,
+            num_rows=point.tokens * point.top_k,
+        )
+        experts = layer.experts
+        rows, ends = grouped.hidden, grouped.offsets[1:]
+        activated = weighted_activation(
+            torch._grouped_mm(rows, experts.w13_t, offs=ends), grouped.weights, gated=True
+        )
+
+        def gemms() -> None:
+            torch._grouped_mm(rows, experts.w13_t, offs=ends)
+            torch._grouped_mm(activated, experts.w2_t, offs=ends)
+
+        gemms_ms = time_ms(gemms)
+        graph_ms = None
+        if point.mode == "capacity":
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    layer(x, ids, weights)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_out = layer(x, ids, weights)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(graph_out, out):
+                raise AssertionError(f"{point.name}: the CUDA graph's output differs from eager")
+            graph_ms = time_ms(graph.replay)
+        layer.check()
+    finally:
+        layer.close()
+    touched = torch.zeros(point.num_experts, dtype=torch.bool, device=device)
+    touched[ids.flatten().long()] = True
+    weight_bytes = int(touched.sum()) * (w13[0].nbytes + w2[0].nbytes)
+    floor_ms = weight_bytes / rate
+    result = Measured(
+        point=point.name,
+        layout=point.layout,
+        mode=point.mode,
+        passed=comparison.passed,
+        max_rel_err=comparison.max_relative_error,
+        layer_ms=layer_ms,
+        gemms_ms=gemms_ms,
+        gemms_over_layer=gemms_ms / layer_ms,
+        kernels_per_forward=kernels,
+        copies_per_forward=copies,
+        graph_ms=graph_ms,
+        graph_over_gemms=None if graph_ms is None else graph_ms / gemms_ms,
+        hbm_floor_ms=floor_ms,
+        graph_over_floor=None if graph_ms is None else graph_ms / floor_ms,
+        eager_over_gemms=layer_ms / gemms_ms,
+    )
+    return result, names
+
+
+def print_table(results: list[Measured], rate: float) -> None:
+    print(f"device copy (2 GiB, read + write): {rate / 1e9:.0f} TB/s")
+    header = (
+        f"{'point':32} {'layout':9} {'mode':9} {'ok':3} {'layer ms':>9} {'GEMMs ms':>9} "
+        f"{'GEMMs/layer':>11} {'kernels':>7} {'graph ms':>9} {'graph/GEMMs':>11} "
+        f"{'floor ms':>9} {'graph/floor':>11}"
+    )
+    print(header)
+    for r in results:
+        graph = "-" if r.graph_ms is None else f"{r.graph_ms:9.3f}"
+        over_gemms = "-" if r.graph_over_gemms is None else f"{r.graph_over_gemms:11.2f}"
+        over_floor = "-" if r.graph_over_floor is None else f"{r.graph_over_floor:11.2f}"
+        print(
+            f"{r.point:32} {r.layout:9} {r.mode:9} {'yes' if r.passed else 'NO':3} "
+            f"{r.layer_ms:9.3f} {r.gemms_ms:9.3f} {r.gemms_over_layer:11.2f} "
+            f"{r.kernels_per_forward:7d} {graph:>9} {over_gemms:>11} {r.hbm_floor_ms:9.3f} "
+            f"{over_floor:>11}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_runtime.bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--points", nargs="+", choices=sorted(POINTS), default=list(POINTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["expanded", "standard"],
+        default=["expanded"],
+        help="layouts to run each point in (the GEMM baseline is the same in both)",
+    )
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: python -m ep_runtime.bench needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    rate = copy_rate_bytes_per_ms(device)
+    results, names = [], {}
+    for name in args.points:
+        for layout in args.layouts:
+            point = POINTS[name]
+            point = Point(**{**asdict(point), "layout": layout})
+            measured, kernel_names = measure(point, rate, device)
+            results.append(measured)
+            names[f"{name}/{layout}"] = kernel_names
+            print(json.dumps(asdict(measured)), flush=True)
+    print_table(results, rate)
+    if args.json is not None:
+        report = {
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "copy_tb_per_s": rate / 1e9,
+            "results": [asdict(r) for r in results],
+            "kernel_names": names,
+        }
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if all(r.passed for r in results) else 1
