@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Everything the single-H200 machine can check, in two parts that each fit one 10-minute device
+# Everything the single-H200 machine can check, in parts that each fit one 10-minute device
 # call (run them back to back; carry .whl/, made by launch/prepare_gpu_wheels.sh plus the
-# trimmed flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels):
+# trimmed flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels, and transformers for hf):
+#   bash scripts/gpu_session.sh check     # Triton kernels vs their torch twins (tests, per-op
+#                                         # timings, kernels per forward), the CUDA pytest files at
+#                                         # world size 1, and python -m ep_runtime.bench
+#   bash scripts/gpu_session.sh hf        # scripts/hf_bench.py: transformers' MoE vs ours
 #   bash scripts/gpu_session.sh tests     # pytest (CUDA + multi-rank), NCCL/GIN probe, DeepEP and
 #                                         # FlashInfer refusal checks
 #   bash scripts/gpu_session.sh launch    # the launcher: spawn, torchrun, Ray; presets; DSV3 memory
@@ -22,7 +26,28 @@ export PYTHONUNBUFFERED=1
 
 section() { echo; echo "################ $* ($(date +%T))"; }
 
-if [[ "$part" == tests ]]; then
+if [[ "$part" == check ]]; then
+  exec > >(tee "$OUT/check.log") 2>&1
+  section environment
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  section "Triton kernels: tests on CUDA, per-op results and timings, kernels per forward"
+  timeout 300 python3 scripts/gpu_kernels_check.py --out "$OUT/kernels.json"
+  echo "gpu_kernels_check exit $?"
+  section "pytest: CUDA tests and the suite at world size 1 (NCCL)"
+  EP_TEST_WORLD_SIZES=1 EP_TEST_GROUP_TIMEOUT_S=60 timeout 200 python3 -m pytest -q -x \
+    -p no:cacheprovider -n 4 --timeout 120 tests/multigpu/test_cuda.py \
+    tests/multigpu/test_suite.py tests/test_validation.py tests/test_tolerance.py
+  echo "pytest exit $?"
+  section "python -m ep_runtime.bench"
+  timeout 200 python3 -m ep_runtime.bench --layouts expanded standard --json "$OUT/bench.json"
+  echo "bench exit $?"
+elif [[ "$part" == hf ]]; then
+  exec > >(tee "$OUT/hf.log") 2>&1
+  section "scripts/hf_bench.py"
+  timeout 400 python3 scripts/hf_bench.py --json "$OUT/hf_bench.json"
+  echo "hf_bench exit $?"
+elif [[ "$part" == tests ]]; then
   exec > >(tee "$OUT/tests.log") 2>&1
   section environment
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader

@@ -407,3 +407,32 @@ def cuda_graph_replay_matches_eager(spec: CaseSpec) -> int:
     finally:
         layer.close()
     return replays
+
+
+def capacity_bad_ids_are_recorded(spec: CaseSpec) -> tuple[str, str, bool]:
+    """Capacity mode on CUDA checks id values on the device: an out-of-range and a repeated id
+    are dropped without a sync, ``check()`` raises naming their count, and the forward after is
+    correct. Returns (check's error type, its message, next forward passed)."""
+    rank = dist.get_rank()
+    x, ids, weights = make_inputs(spec, rank)
+    w13, w2 = make_weights(spec)
+    layer = build_layer(spec)
+    dev = device()
+    try:
+        bad = ids.clone()
+        bad[0, 0] = spec.num_experts + 5  # out of range
+        bad[1] = -1
+        bad[1, :2] = 0  # expert 0 twice in one row
+        layer(x.to(dev), bad.to(dev), weights.to(dev))
+        try:
+            layer.check()
+            error = ("none", "")
+        except Exception as raised:
+            error = (type(raised).__name__, str(raised))
+        ref, scale = reference_moe(x, ids, weights, w13, w2, spec.activation, return_scale=True)
+        out = layer(x.to(dev), ids.to(dev), weights.to(dev))
+        layer.check()
+        tolerance = tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate))
+        return (*error, compare_per_token(out, ref, tolerance, scale).passed)
+    finally:
+        layer.close()

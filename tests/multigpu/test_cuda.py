@@ -40,3 +40,15 @@ def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout) -> Non
     )
     replays = pool_factory(world_size).run_ok(cases.cuda_graph_replay_matches_eager, spec)
     assert replays == [2] * world_size
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_capacity_mode_records_bad_ids_on_the_device(pool_factory, world_size, layout) -> None:
+    spec = CaseSpec(experts="grouped_mm", layout=layout, mode="capacity", tokens=(6, 6))
+    for kind, message, next_ok in pool_factory(world_size).run_ok(
+        cases.capacity_bad_ids_are_recorded, spec
+    ):
+        assert kind == "EPInputError", (kind, message)
+        assert "2 out-of-range or repeated ids" in message, message
+        assert next_ok
