@@ -35,7 +35,7 @@ if [[ "$part" == check ]]; then
   timeout 300 python3 scripts/gpu_kernels_check.py --out "$OUT/kernels.json"
   echo "gpu_kernels_check exit $?"
   section "pytest: CUDA tests and the suite at world size 1 (NCCL)"
-  EP_TEST_WORLD_SIZES=1 EP_TEST_GROUP_TIMEOUT_S=60 timeout 200 python3 -m pytest -q -x \
+  EP_TEST_WORLD_SIZES=1 EP_TEST_GROUP_TIMEOUT_S=60 timeout 200 python3 -m pytest -q \
     -p no:cacheprovider -n 4 --timeout 120 tests/multigpu/test_cuda.py \
     tests/multigpu/test_suite.py tests/test_validation.py tests/test_tolerance.py
   echo "pytest exit $?"
