@@ -336,7 +336,7 @@ def test_cutlass_workspace_grows_only_past_its_size(monkeypatch, skip_self_check
     assert buffers[0] is buffers[1] and buffers[2] is buffers[3] and buffers[1] is not buffers[2]
 
 
-# --- 3. the load-time self-check ---------------------------------------------------------------
+# --- 3. the self-check, run when a backend is considered for a layer ----------------------------
 
 
 def emulated_moe(hidden, ids, weights, w13, w2, offset, activation, output):
