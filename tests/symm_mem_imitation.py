@@ -1,16 +1,12 @@
-"""An IMITATION of torch's ``all_to_all_vdev_2d`` / ``all_to_all_vdev_2d_offset``, for testing the
-torch_symm_mem adapter's logic only.
+"""An IMITATION of torch's ``all_to_all_vdev_2d``, for testing the torch_symm_mem adapter's logic
+only.
 
-This is not NVSHMEM and not the real ops; a test passing against it says nothing about them.
-It reproduces, in plain torch over a gloo group (or a world of one), the semantics quoted in
-ep_runtime/dispatch/torch_symm_mem.py's docstring from PyTorch's nvshmem_extension.cu and
-test/distributed/test_nvshmem.py:
-- 2-D op: rank-major ``in_splits [W·ne]`` -> expert-major output (index ``e·W + src``), chunks
-  packed within an expert group, each group aligned up to ``major_align`` and at least
-  ``major_align`` rows long even when empty; ``out_splits_offsets [2, W·ne]`` = splits and
-  exclusive offsets. Rows it does not write keep whatever they held.
-- offset op: expert-major ``in_splits_offsets [2, ne·W]`` (any offsets, padding allowed) ->
-  rank-major output (index ``src·ne + e``), packed, exclusive offsets.
+This is not NVSHMEM and not the real op; a test passing against it says nothing about the op. It
+reproduces, in plain torch over a gloo group (or a world of one), the semantics docs/symm_mem.md
+describes: rank-major ``in_splits [W·ne]`` -> expert-major output (index ``e·W + src``), chunks
+packed within an expert group, each group aligned up to ``major_align`` and at least
+``major_align`` rows long even when empty; ``out_splits_offsets [2, W·ne]`` = splits and
+exclusive offsets. Rows it does not write keep whatever they held.
 Symmetric buffers are plain tensors filled with 0xFF bytes (NaN for floats, -1 for ints), so a
 read of a row the op never wrote shows up.
 """
@@ -56,29 +52,8 @@ def imitation_all_to_all_vdev_2d(
     return pieces, torch.stack([out_splits.reshape(-1), out_offsets.reshape(-1)])
 
 
-def imitation_all_to_all_vdev_2d_offset(
-    rank: int, inputs: list[torch.Tensor], in_splits_offsets: list[torch.Tensor]
-) -> tuple[Pieces, torch.Tensor]:
-    """What ``rank`` receives from the reverse op: (pieces, ``out_splits_offsets [2, W·ne]``)."""
-    world = len(inputs)
-    num_experts = in_splits_offsets[0].size(1) // world
-    out_splits = torch.zeros(world, num_experts, dtype=torch.int64)
-    out_offsets = torch.zeros(world, num_experts, dtype=torch.int64)
-    pieces: Pieces = []
-    cursor = 0
-    for source in range(world):
-        table = in_splits_offsets[source].to(torch.int64).view(2, num_experts, world)
-        for expert in range(num_experts):
-            count, begin = int(table[0, expert, rank]), int(table[1, expert, rank])
-            out_splits[source, expert] = count
-            out_offsets[source, expert] = cursor
-            pieces.append((cursor, inputs[source][begin : begin + count]))
-            cursor += count
-    return pieces, torch.stack([out_splits.reshape(-1), out_offsets.reshape(-1)])
-
-
 class ImitationSymmTransport(SymmetricTransport):
-    """The two ops imitated over ``comm``'s gloo group: every rank gathers every input."""
+    """The op imitated over ``comm``'s gloo group: every rank gathers every input."""
 
     major_align = 1  # what the real transport passes
 
@@ -107,22 +82,25 @@ class ImitationSymmTransport(SymmetricTransport):
             out[start : start + rows.size(0)] = rows
 
     def all_to_all_2d(self, inputs, out, in_splits, out_splits_offsets) -> None:
+        """The op's argument checks (TORCH_CHECK and kernel asserts in PyTorch's source), then
+        the exchange."""
+        world = self.comm.world_size
+        assert all(t.is_contiguous() for t in (inputs, out, in_splits, out_splits_offsets))
+        assert in_splits.dtype == out_splits_offsets.dtype == torch.int64, "int64 splits"
+        assert inputs.dtype == out.dtype and inputs.stride(0) == out.stride(0)
+        assert in_splits.dim() == 1 and in_splits.numel() % world == 0
+        assert out_splits_offsets.shape == (2, in_splits.numel())
+        assert world <= 32 and in_splits.numel() // world <= 16, "world <= 32, ne <= 16"
+        assert int(in_splits.sum()) <= inputs.size(0), "sum of splits is larger than input dim"
         pieces, splits_offsets = imitation_all_to_all_vdev_2d(
             self.comm.rank, self._gather(inputs), self._gather(in_splits), self.major_align
         )
         self._write(out, pieces)
         out_splits_offsets.copy_(splits_offsets)
 
-    def all_to_all_2d_offset(self, inputs, out, in_splits_offsets, out_splits_offsets) -> None:
-        pieces, splits_offsets = imitation_all_to_all_vdev_2d_offset(
-            self.comm.rank, self._gather(inputs), self._gather(in_splits_offsets)
-        )
-        self._write(out, pieces)
-        out_splits_offsets.copy_(splits_offsets)
-
 
 class ImitationBackedSymmMem(TorchSymmMemDispatcher):
-    """The real adapter with the imitated ops injected, on CPU; a test-only registry name."""
+    """The real adapter with the imitated op injected, on CPU; a test-only registry name."""
 
     name = "torch_symm_mem_imitation"
     capabilities = dataclasses.replace(

@@ -17,9 +17,16 @@ import torch
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.comm import Comm
-from ep_runtime.dispatch import deepep_v2
-from ep_runtime.dispatch.base import DispatchSetup
-from ep_runtime.dispatch.deepep_v2 import DeepEPV2Dispatcher, RankGin, must_disable_gin
+from ep_runtime.dispatch import deepep_environment, deepep_v2
+from ep_runtime.dispatch.base import (
+    DISPATCHERS,
+    Dispatcher,
+    DispatchSetup,
+    LayerIdentity,
+    PeerSetup,
+)
+from ep_runtime.dispatch.deepep_environment import RankGin, must_disable_gin
+from ep_runtime.dispatch.deepep_v2 import DeepEPV2Dispatcher
 from ep_runtime.dispatch.nccl_probe import (
     GinQuery,
     NcclLibrary,
@@ -27,6 +34,7 @@ from ep_runtime.dispatch.nccl_probe import (
     _decode_version,
     probe_library,
 )
+from ep_runtime.dispatch.peers import PeerIdentity
 from ep_runtime.types import ClosedError, DispatchMode, EPInputError, TopkLayout
 from tests.deepep_imitation import (
     INVALID_LOCAL_ID,
@@ -134,6 +142,9 @@ def _config(**changes) -> MoEConfig:
     return MoEConfig(**{**fields, **changes})
 
 
+LAYER = LayerIdentity(fingerprint=1, index=0)
+
+
 def _setup(mode: DispatchMode, cap: int = 6, world_size: int = 1) -> DispatchSetup:
     return DispatchSetup(
         comm=Comm(None, 0, world_size, torch.device("cpu")),
@@ -144,6 +155,17 @@ def _setup(mode: DispatchMode, cap: int = 6, world_size: int = 1) -> DispatchSet
         dtype=torch.bfloat16,
         mode=mode,
     )
+
+
+def _build(cls: type[Dispatcher], setup: DispatchSetup) -> Dispatcher:
+    """A dispatcher for a world of one (no process group, so no peers to watch)."""
+    return cls(setup, PeerSetup("test", [PeerIdentity.of_this_process()]))
+
+
+def _dispatch(dispatcher: Dispatcher, x, ids, weights, layout: TopkLayout):
+    dispatched, num_chunks = dispatcher.dispatch(x, ids, weights, layout, layer=LAYER)
+    assert num_chunks == 1
+    return dispatched
 
 
 def _inputs(num_tokens: int, seed: int = 0):
@@ -157,7 +179,7 @@ def _inputs(num_tokens: int, seed: int = 0):
 
 @pytest.mark.parametrize("mode", list(DispatchMode))
 def test_buffer_is_built_as_the_design_says(mode):
-    dispatcher = ImitationBackedDeepEP(_setup(mode, cap=6))
+    dispatcher = _build(ImitationBackedDeepEP, _setup(mode, cap=6))
     try:
         kwargs = dispatcher.buffer.constructor_kwargs
         assert kwargs["allow_hybrid_mode"] is False
@@ -168,38 +190,46 @@ def test_buffer_is_built_as_the_design_says(mode):
         # capacity: one JIT variant per power of two; exact: the cap itself
         assert kwargs["num_max_tokens_per_rank"] == (6 if mode is DispatchMode.EXACT else 8)
         assert kwargs["deterministic"] is (mode is DispatchMode.EXACT)
-        assert dispatcher.num_sms == deepep_v2.DEFAULT_NUM_SMS > 0
+        assert dispatcher.num_sms == deepep_environment.DEFAULT_NUM_SMS > 0
     finally:
         dispatcher.close()
 
 
-def test_capacity_checks_the_users_cap_not_the_buffers():
-    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.CAPACITY, cap=6))
+def test_capacity_checks_the_users_cap_not_the_buffers(monkeypatch):
+    """7 rows fit DeepEP's 8-row buffer, not the user's cap of 6: the layer refuses them."""
+    monkeypatch.setitem(DISPATCHERS._classes, IMITATION, ImitationBackedDeepEP)  # this test only
+    layer = EPMoE(
+        _config(), dispatcher=IMITATION, experts="reference", mode="capacity", device="cpu"
+    )
     try:
-        x, ids, weights = _inputs(7)  # fits the 8-row buffer, not the user's cap of 6
-        with pytest.raises(EPInputError, match="max_tokens_per_rank=6"):
-            dispatcher.dispatch(x, ids, weights, TopkLayout.STANDARD)
+        assert layer.dispatcher.buffer.constructor_kwargs["num_max_tokens_per_rank"] == 8
+        layer.load_weights(torch.zeros(8, 32, 32, dtype=torch.bfloat16), torch.zeros(8, 32, 16))
+        x, ids, weights = _inputs(7)
+        with pytest.raises(EPInputError, match="at most max_tokens_per_rank=6 rows"):
+            layer(x, ids, weights)
+        x, ids, weights = _inputs(6)
+        assert layer(x, ids, weights).shape == (6, 32)
     finally:
-        dispatcher.close()
+        layer.close()
 
 
 def test_close_destroys_the_buffer_and_use_after_close_fails():
-    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.EXACT))
+    dispatcher = _build(ImitationBackedDeepEP, _setup(DispatchMode.EXACT))
     buffer = dispatcher.buffer
     dispatcher.close()
     assert buffer.destroyed and dispatcher.buffer is None
     with pytest.raises(ClosedError):
-        dispatcher.dispatch(*_inputs(2), TopkLayout.STANDARD)
+        _dispatch(dispatcher, *_inputs(2), TopkLayout.STANDARD)
 
 
 @pytest.mark.parametrize("layout", list(TopkLayout))
 @pytest.mark.parametrize("mode", list(DispatchMode))
 def test_rank_without_tokens_gets_an_empty_result(layout, mode):
     """DeepEP is handed one row routed nowhere; the caller still gets ``[0, H]`` back."""
-    dispatcher = ImitationBackedDeepEP(_setup(mode))
+    dispatcher = _build(ImitationBackedDeepEP, _setup(mode))
     try:
         x, ids, weights = (t[:0] for t in _inputs(1))
-        dispatched = dispatcher.dispatch(x, ids, weights, layout)
+        dispatched = _dispatch(dispatcher, x, ids, weights, layout)
         assert not bool((dispatched.topk_ids >= 0).any())
         out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
         assert out.shape == (0, 32)
@@ -209,29 +239,25 @@ def test_rank_without_tokens_gets_an_empty_result(layout, mode):
 
 def test_standard_capacity_masks_uninitialised_rows_and_globalises_ids():
     """The imitation leaves id 0 (a valid-looking local id) and NaN in rows past the valid
-    count; the adapter must turn them into padding and count only real slots."""
-    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.CAPACITY, cap=6))
+    count; the adapter must turn them into padding (all ids -1)."""
+    dispatcher = _build(ImitationBackedDeepEP, _setup(DispatchMode.CAPACITY, cap=6))
     try:
         x, ids, weights = _inputs(5)
-        dispatched = dispatcher.dispatch(x, ids, weights, TopkLayout.STANDARD)
+        dispatched = _dispatch(dispatcher, x, ids, weights, TopkLayout.STANDARD)
         assert dispatched.hidden_states.size(0) == 8  # W · pow2(cap) rows
-        assert int(dispatched.num_valid_rows) == 5
         assert (dispatched.topk_ids[5:] == -1).all()
         assert torch.isnan(dispatched.hidden_states[5:].float()).all()
         assert dispatched.topk_ids.dtype == torch.int32
         sent = torch.sort(ids.flatten()).values
         got = torch.sort(dispatched.topk_ids[:5].flatten().to(torch.int64)).values
         assert torch.equal(got, sent), "global ids (rank 0 of 1: local == global)"
-        counts = torch.bincount(ids[ids >= 0], minlength=8)
-        assert torch.equal(dispatched.expert_num_tokens.to(torch.int64), counts)
-        assert dispatched.expert_num_tokens_cpu is None
     finally:
         dispatcher.close()
 
 
 def test_local_ids_become_global_on_rank_one_of_two():
     """Rank 1 of 2: local id 2 is global 6. Hand the adapter a DeepEP-shaped answer."""
-    dispatcher = ImitationBackedDeepEP.__new__(ImitationBackedDeepEP)
+    dispatcher = ImitationBackedDeepEP.__new__(ImitationBackedDeepEP)  # no buffer: _standard only
     dispatcher.setup = DispatchSetup(
         comm=Comm(None, 1, 2, torch.device("cpu")),
         num_experts=8,
@@ -248,22 +274,22 @@ def test_local_ids_become_global_on_rank_one_of_two():
     )
     local = torch.tensor([[2, -1, 0], [-1, 3, -1], [INVALID_LOCAL_ID] * 3])
     weights = torch.tensor([[0.5, float("nan"), 0.25], [float("nan"), 1.0, 2.0], [9.0] * 3])
-    out = dispatcher._standard(torch.zeros(3, 32, dtype=torch.bfloat16), local, weights, handle)
-    assert out.topk_ids.tolist() == [[6, -1, 4], [-1, 7, -1], [-1, -1, -1]]
-    assert out.expert_num_tokens.tolist() == [1, 0, 1, 1]
-    assert out.topk_weights[0, 0] == 0.5 and out.topk_weights[1, 1] == 1.0
+    hidden = torch.zeros(3, 32, dtype=torch.bfloat16)
+    _, ids, weights = dispatcher._standard(hidden, local, weights, handle)
+    assert ids.dtype == torch.int32
+    assert ids.tolist() == [[6, -1, 4], [-1, 7, -1], [-1, -1, -1]]
+    assert weights[0, 0] == 0.5 and weights[1, 1] == 1.0 and weights[0, 2] == 0.25
+    assert (weights[ids < 0] == 0).all()  # unused slots: the filler, not DeepEP's values
 
 
 def test_expanded_groups_are_aligned_and_padding_marked():
-    dispatcher = ImitationBackedDeepEP(_setup(DispatchMode.EXACT, cap=6))
+    dispatcher = _build(ImitationBackedDeepEP, _setup(DispatchMode.EXACT, cap=6))
     try:
         x, ids, weights = _inputs(6, seed=3)
-        dispatched = dispatcher.dispatch(x, ids, weights, TopkLayout.EXPANDED)
+        dispatched = _dispatch(dispatcher, x, ids, weights, TopkLayout.EXPANDED)
         offsets = dispatched.expert_offsets.tolist()
         assert all(start % 4 == 0 for start in offsets[:-1]), offsets  # expert_alignment = 4
         counts = torch.bincount(ids[ids >= 0], minlength=8).tolist()
-        assert dispatched.expert_num_tokens.tolist() == counts
-        assert dispatched.expert_num_tokens_cpu == counts
         assert dispatched.topk_ids.shape == (dispatched.hidden_states.size(0), 1)
         for expert in range(8):
             group = dispatched.topk_ids[offsets[expert] : offsets[expert + 1], 0]
@@ -287,12 +313,12 @@ def test_ids_reach_deepep_in_its_topk_idx_t(id_dtype, layout, mode):
         def load_library(cls):
             return imitation_library(id_dtype)
 
-    dispatcher = Narrow(_setup(mode))
+    dispatcher = _build(Narrow, _setup(mode))
     try:
         x, ids, _ = _inputs(5)
         x = torch.randint(-15, 16, x.shape).to(torch.bfloat16)
         weights = torch.randint(1, 5, ids.shape).float() / 8
-        dispatched = dispatcher.dispatch(x, ids, weights, layout)
+        dispatched = _dispatch(dispatcher, x, ids, weights, layout)
         out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
         total = torch.where(ids >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
         assert torch.equal(out, (total * x.float()).to(torch.bfloat16))

@@ -1,6 +1,7 @@
 """FlashInfer experts adapters, on CPU: weight preparation against FlashInfer's own helper
-(bitwise), every kernel call's arguments through recorders, the load-time self-check, and the
-availability probes. The kernels themselves run in tests/multigpu/test_flashinfer_real.py."""
+(bitwise), every kernel call's arguments through recorders, the self-check run when a backend is
+considered for a layer, the CUTLASS JIT policy, and the availability probes. The kernels
+themselves run in tests/multigpu/test_flashinfer_real.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ep_runtime.experts.flashinfer_cutlass import FlashInferCutlassExperts
 from ep_runtime.experts.flashinfer_trtllm import FlashInferTrtllmExperts, gemm1_row_order
 from ep_runtime.experts.self_check import check_setup, make_check_problem
 from ep_runtime.reference import expert_ffn, reference_moe
-from ep_runtime.types import Activation, BackendUnavailableError, Dispatched, TopkLayout
+from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 CPU = torch.device("cpu")
 SWIGLU, RELU2, BLOCK_MAJOR_K = 3, 6, 2  # FlashInfer's documented enum values
@@ -66,8 +67,8 @@ class RecordingCutlassKernel:
 
 
 @pytest.fixture(autouse=True)
-def fresh_self_check_outcomes(monkeypatch):
-    monkeypatch.setattr(self_check, "_outcomes", {})
+def fresh_self_check_results(monkeypatch):
+    monkeypatch.setattr(self_check, "_results", {})
 
 
 @pytest.fixture
@@ -83,6 +84,14 @@ def install_cutlass(monkeypatch, kernel) -> None:
     monkeypatch.setattr(
         flashinfer_cutlass, "cutlass_kernels", lambda: (kernel, kernel.workspace_size)
     )
+
+
+@pytest.fixture
+def probes_pass(monkeypatch):
+    """The availability probes that read the disk or a CUDA device answer "present" (TRTLLM
+    cubins, CUTLASS module), so ``unavailable_reason`` reaches the self-check on CPU."""
+    monkeypatch.setattr(flashinfer_trtllm, "trtllm_cubins_missing_reason", lambda: None)
+    monkeypatch.setattr(FlashInferCutlassExperts, "_module_missing_reason", lambda setup: None)
 
 
 def random_weights(activation: Activation, num_local: int, hidden: int, intermediate: int):
@@ -224,10 +233,9 @@ def test_trtllm_call_arguments(monkeypatch, skip_self_check, activation, layout)
     setup, problem, dispatched = contract_problem(activation, layout)
     backend = FlashInferTrtllmExperts(setup)
     backend.load_weights(problem.w13, problem.w2)
-    out = torch.full_like(dispatched.hidden_states, float("nan"))
-    result = backend.forward(dispatched, out=out)
+    result = backend.forward(dispatched)
 
-    assert result is out and len(kernel.calls) == 1
+    assert len(kernel.calls) == 1
     args, kw = kernel.calls[0]
     assert args == ()  # all keywords: variants add arguments, not another call
     assert isinstance(kw["topk_ids"], tuple) and len(kw["topk_ids"]) == 2
@@ -244,7 +252,7 @@ def test_trtllm_call_arguments(monkeypatch, skip_self_check, activation, layout)
     assert kw["num_experts"] == 6 and kw["local_num_experts"] == 2
     assert kw["local_expert_offset"] == 2  # rank 1 · L
     assert kw["n_group"] is None and kw["topk_group"] is None
-    assert kw["output"] is out
+    assert kw["output"] is result and result.shape == dispatched.hidden_states.shape
     assert kw["hidden_states"].is_contiguous()
     nan_as_7 = dispatched.hidden_states.nan_to_num(7.0)  # padding rows hold NaN
     assert torch.equal(kw["hidden_states"].nan_to_num(7.0), nan_as_7)
@@ -274,9 +282,7 @@ def test_cutlass_call_arguments(monkeypatch, skip_self_check, activation, layout
     setup, problem, dispatched = contract_problem(activation, layout, intermediate=100)
     backend = FlashInferCutlassExperts(setup)
     backend.load_weights(problem.w13, problem.w2)
-    outs = [torch.full_like(dispatched.hidden_states, float("nan")) for _ in range(2)]
-    for out in outs:
-        assert backend.forward(dispatched, out=out) is out
+    results = [backend.forward(dispatched) for _ in range(2)]
 
     assert len(kernel.calls) == 2
     (args, kw), (_, kw_again) = kernel.calls
@@ -288,7 +294,8 @@ def test_cutlass_call_arguments(monkeypatch, skip_self_check, activation, layout
     assert kw["use_fused_finalize"] is False
     assert int(kw["activation_type"]) == EXPECTED_ACTIVATION[activation]
     assert kw["quant_scales"] == [] and kw["output_dtype"] == torch.bfloat16
-    assert kw["output"] is outs[0] and kw_again["output"] is outs[1]
+    assert kw["output"] is results[0] and kw_again["output"] is results[1]
+    assert results[0] is not results[1]  # a fresh output per call
     # [up; gate], each half padded 100 -> 104
     w13, w2 = problem.w13, problem.w2
     fc1, fc2 = kw["fc1_expert_weights"], kw["fc2_expert_weights"]
@@ -329,7 +336,7 @@ def test_cutlass_workspace_grows_only_past_its_size(monkeypatch, skip_self_check
     assert buffers[0] is buffers[1] and buffers[2] is buffers[3] and buffers[1] is not buffers[2]
 
 
-# --- 3. the load-time self-check ---------------------------------------------------------------
+# --- 3. the self-check, run when a backend is considered for a layer ----------------------------
 
 
 def emulated_moe(hidden, ids, weights, w13, w2, offset, activation, output):
@@ -402,32 +409,50 @@ def load_real_weights(backend_cls, activation: Activation):
     return setup
 
 
+def selection_setup(activation: Activation):
+    return check_setup(activation, CPU, hidden=256, intermediate=64)
+
+
 @pytest.mark.parametrize("activation", list(Activation))
 @pytest.mark.parametrize("backend_cls", [FlashInferTrtllmExperts, FlashInferCutlassExperts])
-def test_self_check_refuses_a_wrong_kernel_with_numbers(monkeypatch, backend_cls, activation):
-    install_trtllm(monkeypatch, RecordingTrtllmKernel())  # zeros: wrong
-    install_cutlass(monkeypatch, RecordingCutlassKernel())
-    with pytest.raises(BackendUnavailableError) as caught:
-        load_real_weights(backend_cls, activation)
-    message = str(caught.value)
-    assert "self-check against reference_moe failed" in message
-    assert "max per-token relative error" in message and "tolerance" in message
-    assert self_check.SKIP_ENV in message
-    setup = check_setup(activation, CPU, hidden=256, intermediate=64)
-    assert "self-check" in backend_cls.unavailable_reason(setup)  # remembered: auto skips it
+def test_self_check_refuses_a_wrong_kernel_with_numbers(
+    monkeypatch, probes_pass, backend_cls, activation
+):
+    trtllm, cutlass = RecordingTrtllmKernel(), RecordingCutlassKernel()  # zeros: wrong
+    install_trtllm(monkeypatch, trtllm)
+    install_cutlass(monkeypatch, cutlass)
+    setup = selection_setup(activation)
+    reason = backend_cls.unavailable_reason(setup)
+    assert "self-check against reference_moe failed" in reason
+    assert "max per-token relative error" in reason and "tolerance" in reason
+    assert self_check.SKIP_ENV in reason
+    calls = len(trtllm.calls) + len(cutlass.calls)
+    assert calls >= 1
+    assert backend_cls.unavailable_reason(setup) == reason  # remembered: "auto" skips it
+    assert len(trtllm.calls) + len(cutlass.calls) == calls  # without running it again
 
 
 @pytest.mark.parametrize("activation", list(Activation))
-def test_self_check_passes_correct_kernels(monkeypatch, activation):
+def test_self_check_passes_correct_kernels_once(monkeypatch, probes_pass, activation):
     trtllm, cutlass = EmulatedTrtllmKernel(activation), EmulatedCutlassKernel(activation)
     install_trtllm(monkeypatch, trtllm)
     install_cutlass(monkeypatch, cutlass)
+    setup = selection_setup(activation)
     for backend_cls in (FlashInferTrtllmExperts, FlashInferCutlassExperts):
-        setup = load_real_weights(backend_cls, activation)
-        assert self_check.self_check_failure(backend_cls.name, CPU, activation) is None
-        load_real_weights(backend_cls, activation)  # second load: the check does not rerun
+        assert backend_cls.unavailable_reason(setup) is None
+        assert backend_cls.unavailable_reason(setup) is None  # the check does not rerun
     assert len(trtllm.calls) == len(cutlass.calls) == len(TopkLayout)
-    assert setup.device == CPU
+
+
+def test_self_check_runs_at_selection_not_at_load(monkeypatch, probes_pass):
+    """Loading weights runs no kernel; considering the backend for a layer does (both
+    layouts), so the first layer already gets the verdict."""
+    kernel = EmulatedTrtllmKernel(Activation.SILU)
+    install_trtllm(monkeypatch, kernel)
+    load_real_weights(FlashInferTrtllmExperts, Activation.SILU)
+    assert kernel.calls == []
+    assert FlashInferTrtllmExperts.unavailable_reason(selection_setup(Activation.SILU)) is None
+    assert len(kernel.calls) == len(TopkLayout)
 
 
 @pytest.mark.parametrize("shape", [{}, dict(num_experts=16, world_size=4, rank=3, top_k=4)])
@@ -441,15 +466,43 @@ def test_check_problem_passes_the_torch_backends(name, activation, shape):
 
 def test_self_check_refuses_a_kernel_that_ignores_the_rank_offset(monkeypatch):
     install_cutlass(monkeypatch, EmulatedCutlassKernel(Activation.SILU, ignore_rank=True))
-    with pytest.raises(BackendUnavailableError, match="virtual rank 1 of 3"):
-        load_real_weights(FlashInferCutlassExperts, Activation.SILU)
+    reason = self_check.self_check_refusal(FlashInferCutlassExperts, CPU, Activation.SILU)
+    assert reason is not None and "virtual rank 1 of 3" in reason
+
+
+def test_self_check_refuses_a_kernel_that_raises(monkeypatch):
+    def broken(**kwargs):
+        raise RuntimeError("no kernel image for this device")
+
+    install_trtllm(monkeypatch, broken)
+    reason = self_check.self_check_refusal(FlashInferTrtllmExperts, CPU, Activation.RELU2)
+    assert reason.startswith("self-check raised RuntimeError: no kernel image")
 
 
 def test_self_check_can_be_skipped(monkeypatch, skip_self_check):
     kernel = RecordingTrtllmKernel()
     install_trtllm(monkeypatch, kernel)
-    load_real_weights(FlashInferTrtllmExperts, Activation.SILU)
+    assert self_check.self_check_refusal(FlashInferTrtllmExperts, CPU, Activation.SILU) is None
     assert kernel.calls == []
+
+
+def test_cutlass_jit_policy(monkeypatch):
+    """An unbuilt module: "auto" never builds it; named, it may be built (the self-check runs
+    it), unless the variable is 0; with the variable at 1, "auto" may build it too."""
+    unbuilt = "FlashInfer's fused_moe_90 module is not built (test)"
+    monkeypatch.setattr(FlashInferCutlassExperts, "_module_missing_reason", lambda setup: unbuilt)
+    kernel = EmulatedCutlassKernel(Activation.SILU)
+    install_cutlass(monkeypatch, kernel)
+    setup = selection_setup(Activation.SILU)
+    monkeypatch.setenv(flashinfer_cutlass.ALLOW_JIT_ENV, "0")
+    assert FlashInferCutlassExperts.unavailable_reason(setup) == unbuilt
+    assert kernel.calls == []  # refused before the self-check: nothing was built
+    monkeypatch.delenv(flashinfer_cutlass.ALLOW_JIT_ENV)
+    assert FlashInferCutlassExperts.auto_refusal(setup) == unbuilt
+    assert FlashInferCutlassExperts.unavailable_reason(setup) is None  # named: runs
+    assert len(kernel.calls) == len(TopkLayout)
+    monkeypatch.setenv(flashinfer_cutlass.ALLOW_JIT_ENV, "1")
+    assert FlashInferCutlassExperts.auto_refusal(setup) is None
 
 
 # --- 4. availability probes --------------------------------------------------------------------

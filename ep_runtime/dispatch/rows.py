@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ep_runtime.dispatch.base import Dispatcher, DispatchSetup, PeerSetup
-from ep_runtime.dispatch.protocol import Outcome
+from ep_runtime.dispatch.protocol import Outcome, Phase
 from ep_runtime.kernels import (
     HeaderFields,
     Route,
@@ -64,7 +64,9 @@ class RowHandle:
 
 
 class RowDispatcher(Dispatcher):
-    """Packed rows over ``peers.all_to_all``; subclasses may move the bytes another way."""
+    """Packed rows over ``peers.all_to_all``. A subclass may move the bytes another way
+    (``_exchange``), from buffers of its own (``_new_buffer``), and choose the chunk layout
+    (``chunks``): exact mode sizes buffers from the headers, capacity mode from the cap."""
 
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
         super().__init__(setup, peer_setup)
@@ -95,7 +97,7 @@ class RowDispatcher(Dispatcher):
         world, chunks = self.comm.world_size, self.chunks
         sent_rows = plan.header_pair[0, :, Field.NUM_ROWS]
         received_rows = plan.header_pair[1 if world > 1 else 0, :, Field.NUM_ROWS]
-        if chunks.capacity is None:
+        if self.setup.mode is DispatchMode.EXACT:
             assert outcome.sent is not None and outcome.received is not None
             send_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.sent])
             recv_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.received])
@@ -105,11 +107,10 @@ class RowDispatcher(Dispatcher):
         else:
             send_splits = recv_splits = None
             top_k = plan.top_k
-            send_total = recv_total = world * (chunks.header_rows + chunks.capacity)
-            grouped_rows = world * chunks.capacity * min(top_k, self.num_local)
-        send = torch.empty(
-            send_total, self.row_format.row_bytes, dtype=torch.uint8, device=plan.x.device
-        )
+            cap = self.setup.max_tokens_per_rank
+            send_total = recv_total = world * (chunks.header_rows + cap)
+            grouped_rows = world * cap * min(top_k, self.num_local)
+        send = self._new_buffer(Phase.DISPATCH, send_total)
         pack_rows(
             plan.x,
             plan.topk_weights,
@@ -119,7 +120,7 @@ class RowDispatcher(Dispatcher):
             chunks,
             poison=self.setup.poison,
         )
-        recv = self._exchange(send, send_splits, recv_splits)
+        recv = self._exchange(Phase.DISPATCH, send, sent_rows, send_splits, recv_splits)
         hidden = self.row_format.hidden(recv)  # [R, H] views into the received bytes
         ids = self.row_format.ids(recv, top_k)
         weights = self.row_format.weights(recv, top_k)
@@ -154,10 +155,23 @@ class RowDispatcher(Dispatcher):
             handle,
         )
 
+    def _new_buffer(self, phase: Phase, rows: int) -> torch.Tensor:
+        """A send buffer of ``rows`` rows, every one of which the caller writes: dispatch
+        ``[rows, row_bytes]`` uint8, combine ``[rows, H]`` compute dtype."""
+        device = self.comm.device
+        if phase is Phase.DISPATCH:
+            return torch.empty(rows, self.row_format.row_bytes, dtype=torch.uint8, device=device)
+        return torch.empty(rows, self.setup.hidden_size, dtype=self.setup.dtype, device=device)
+
     def _exchange(
-        self, send: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None
+        self,
+        phase: Phase,
+        send: torch.Tensor,  # [S, width] per-peer chunks in ``self.chunks`` layout
+        rows_per_peer: torch.Tensor,  # [W] int32 token rows of each send chunk (on the device)
+        send_splits: list[int] | None,  # exact mode: rows of each send chunk
+        recv_splits: list[int] | None,  # exact mode: rows of each receive chunk
     ) -> torch.Tensor:
-        """Move the chunks; a subclass may use another transport."""
+        """Move the chunks of one phase; returns the received chunks."""
         return self.peers.all_to_all(send, send_splits=send_splits, recv_splits=recv_splits)
 
     # ----------------------------------------------------------------- combine
@@ -168,22 +182,19 @@ class RowDispatcher(Dispatcher):
         handle: RowHandle,
         status_header: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_size, device = self.setup.hidden_size, self.comm.device
         if expert_output is None:
-            back = torch.zeros(
-                handle.recv_total, hidden_size, dtype=self.setup.dtype, device=device
-            )
+            back = self._new_buffer(Phase.COMBINE, handle.recv_total).zero_()
         elif handle.grouped_positions is None:  # STANDARD: one result row per received row
             back = expert_output.contiguous()
         else:  # EXPANDED: pre-reduce each received row's local results in fp32
-            back = torch.empty(
-                handle.recv_total, hidden_size, dtype=self.setup.dtype, device=device
-            )
+            back = self._new_buffer(Phase.COMBINE, handle.recv_total)
             sum_rows(expert_output, handle.grouped_positions, back)
         if self.comm.world_size == 1:
             return back, status_header.unsqueeze(0)
         write_chunk_headers(back, status_header, handle.received_rows, self.chunks)
-        returned = self._exchange(back, handle.recv_splits, handle.send_splits)
+        returned = self._exchange(
+            Phase.COMBINE, back, handle.received_rows, handle.recv_splits, handle.send_splits
+        )
         return returned, read_chunk_headers(returned, handle.sent_rows, self.chunks)
 
     def _finish(

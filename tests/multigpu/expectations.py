@@ -25,6 +25,16 @@ def expected_refusal(
         return r"runs on \['cuda'\], not cpu"
     if device_type != "cuda":
         return None
+    if backend == "torch_symm_mem":
+        if world_size < 2:
+            return r"needs a group of >= 2 ranks, got \d+"
+        return None if _nvshmem_available() else r"NVSHMEM is not available"
+    if backend == "deepep_v2":
+        if importlib.util.find_spec("deep_ep") is None:
+            return r"deep_ep is not installed"
+        return r"NCCL" if torch.cuda.nccl.version() < (2, 30, 4) else None
+    if backend == "grouped_mm" and dtype != torch.bfloat16:
+        return r"bf16 only"
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
@@ -34,14 +44,4 @@ def expected_refusal(
         return None if has_flashinfer else r"flashinfer is not importable"
     if backend == "flashinfer_cutlass":
         return r"module is not built" if has_flashinfer else r"flashinfer is not importable"
-    if backend == "deepep_v2":
-        if importlib.util.find_spec("deep_ep") is None:
-            return r"deep_ep is not installed"
-        return r"NCCL" if torch.cuda.nccl.version() < (2, 30, 4) else None
-    if backend == "torch_symm_mem":
-        if world_size < 2:
-            return r"needs a group of >= 2 ranks"
-        return None if _nvshmem_available() else r"NVSHMEM is not available"
-    if backend == "grouped_mm" and dtype != torch.bfloat16:
-        return r"bf16 only"
     return None

@@ -1,0 +1,337 @@
+"""DeepEP V2 ``ElasticBuffer`` dispatcher (NCCL Device API: NVLink load/store, GIN RDMA).
+
+One buffer per dispatcher, shared by all layers through ``acquire_dispatcher``; hybrid mode and
+multiple reduction off (one fp32 reduction per token, at its source). The forward header goes
+through the base's all-to-all before DeepEP's dispatch; DeepEP's combine cannot carry a rank's
+status, so a small status all-to-all on the same group follows it.
+
+What DeepEP hands back, and what this adapter makes of it:
+- STANDARD (``do_expand=False``): ``[R, K]`` *local* ids, -1 for other ranks' experts -> global
+  int32 ids; rows past ``psum_num_recv_tokens_per_scaleup_rank[-1]`` are uninitialised -> padding.
+- EXPANDED (``do_expand=True``): no ids, 1-D weights, rows grouped by local expert and padded to
+  ``expert_alignment`` -> ``[N, 1]`` global ids from the group offsets (``searchsorted``); the valid
+  bound is ``psum_num_recv_tokens_per_expert[-1]``.
+- exact mode: ``do_cpu_sync=True`` (exact sizes). capacity mode: ``do_cpu_sync=False``, worst-case
+  sizes, ``num_max_tokens_per_rank`` rounded up to a power of two (DeepEP JIT-compiles one kernel
+  per value); the layer checks inputs against the user's own cap.
+
+The library is injected (``load_library``), so the same adapter runs against an imitation in CPU
+tests and against the real ``deep_ep`` on GPUs. The SM count and GIN policy are in
+``deepep_environment.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime.dispatch.base import (
+    DISPATCHERS,
+    Dispatcher,
+    DispatcherCapabilities,
+    DispatchSetup,
+    PeerSetup,
+)
+from ep_runtime.dispatch.deepep_environment import default_num_sms, prepare_gin
+from ep_runtime.dispatch.nccl_probe import mapped_libnccl_paths, probe_library
+from ep_runtime.dispatch.protocol import Outcome
+from ep_runtime.kernels import HeaderFields, route_tokens
+from ep_runtime.kernels.layout import HEADER_INTS, Field
+from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
+
+# JIT compilation on one rank's first call stalls the others: vLLM uses 1800 s for the same reason.
+TIMEOUT_SECS = 1800
+
+
+@dataclass(frozen=True)
+class DeepEPLibrary:
+    """The parts of ``deep_ep`` the adapter uses; CPU tests inject an imitation instead."""
+
+    name: str
+    buffer_class: Callable[..., Any]  # deep_ep.ElasticBuffer
+    topk_idx_dtype: torch.dtype  # deep_ep.topk_idx_t: int64 by default, int32 by build option
+
+
+class DeepEPUnavailableError(RuntimeError):
+    """deep_ep is importable but is not DeepEP V2."""
+
+
+def load_deep_ep() -> DeepEPLibrary:
+    """Import ``deep_ep`` and check it is V2 (has ``ElasticBuffer``)."""
+    import deep_ep
+
+    version = getattr(deep_ep, "__version__", "(no __version__)")
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        raise DeepEPUnavailableError(
+            f"deep_ep {version} has no ElasticBuffer (a V1 build; DeepEP V2 >= 2.0 is needed)"
+        )
+    return DeepEPLibrary(f"deep_ep {version}", deep_ep.ElasticBuffer, deep_ep.topk_idx_t)
+
+
+@functools.cache
+def deep_ep_problems() -> tuple[str, ...]:
+    """Why the real DeepEP V2 cannot run in this process (cached: imports once)."""
+    problems = []
+    nccl = probe_library()
+    try:
+        load_deep_ep()
+    except ModuleNotFoundError as error:
+        problems.append(f"deep_ep is not installed ({error}; see docs/deepep.md)")
+    except Exception as error:  # undefined NCCL symbols, check_nccl_so() asserting, V1 only
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        problems.append(f"deep_ep V2 is not usable: {type(error).__name__}: {first_line}")
+    loaded = mapped_libnccl_paths()
+    if len(loaded) > 1:
+        problems.append(f"torch and deep_ep load different libnccl files: {', '.join(loaded)}")
+    if not (nccl.meets_deepep_minimum and nccl.has_query_properties):
+        problems.append(nccl.describe())
+    return tuple(problems)
+
+
+def next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class DeepEPPlan:
+    """This rank's rows, with ids cleaned by ``route_tokens``."""
+
+    x: torch.Tensor  # [T, H] bf16
+    topk_ids: torch.Tensor  # [T, K] int32 global ids, -1 = unused (invalid ones dropped)
+    topk_weights: torch.Tensor  # [T, K] float
+    top_k: int  # K of this rank's ids (its columns, also with no tokens)
+    header_pair: torch.Tensor  # [2, W, HEADER_INTS] int32: sent, received
+
+
+@dataclass(frozen=True)
+class DeepEPHandle:
+    """What combine needs of a dispatch."""
+
+    buffer_handle: Any  # deep_ep.EPHandle
+    num_tokens: int  # this rank's rows (DeepEP was given at least one)
+
+
+@DISPATCHERS.register
+class DeepEPV2Dispatcher(Dispatcher):
+    """DeepEP V2 ``ElasticBuffer``: NVLink within a node, GIN RDMA across nodes."""
+
+    name = "deepep_v2"
+    capabilities = DispatcherCapabilities(
+        layouts=frozenset(TopkLayout),
+        modes=frozenset(DispatchMode),
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16}),  # combine is bf16-only (buffer.hpp combine)
+    )
+    auto_priority = 10
+    expert_alignment: ClassVar[int] = 1  # EXPANDED group alignment (DeepEP's expert_alignment)
+
+    @classmethod
+    def load_library(cls) -> DeepEPLibrary:
+        return load_deep_ep()
+
+    @classmethod
+    def environment_problems(cls, setup: DispatchSetup) -> list[str]:
+        """Packages, NCCL, process group and GPUs (the real library's needs)."""
+        problems = list(deep_ep_problems())
+        comm = setup.comm
+        if comm.group is None:
+            problems.append("needs an initialised NCCL process group, even for one rank")
+        elif "nccl" not in comm.backend:
+            problems.append(f"needs an NCCL process group, this one is {comm.backend}")
+        if comm.world_size > 1 and torch.cuda.device_count() < 2:
+            problems.append(
+                f"a group of {comm.world_size} ranks needs >= 2 GPUs, "
+                f"this host has {torch.cuda.device_count()}"
+            )
+        return problems
+
+    @classmethod
+    def unavailable_reason(cls, setup: DispatchSetup) -> str | None:
+        problems = cls.environment_problems(setup)
+        if (setup.hidden_size * setup.dtype.itemsize) % 16:
+            problems.append(f"hidden_size={setup.hidden_size}: rows must be multiples of 16 bytes")
+        return "; ".join(problems) or None
+
+    def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
+        super().__init__(setup, peer_setup)
+        self.library = self.load_library()
+        self.num_local = self.placement.num_local_experts
+        self.local_offset = self.placement.local_expert_offset
+        exact = setup.mode is DispatchMode.EXACT
+        cap = setup.max_tokens_per_rank
+        self.buffer_tokens = cap if exact else next_power_of_two(cap)
+        self.num_sms = default_num_sms(setup.device)
+        if self.comm.group is not None:  # torch creates communicators lazily: warm the group
+            dist.all_reduce(torch.zeros(1, device=self.comm.device), group=self.comm.group)
+        self.gin = prepare_gin(self.comm)
+        self.buffer = self.library.buffer_class(
+            self.comm.group,
+            num_max_tokens_per_rank=self.buffer_tokens,
+            hidden=setup.hidden_size,
+            num_topk=setup.max_top_k,
+            # the deterministic receive order sorts with boolean masks (a host sync): exact only
+            deterministic=exact,
+            allow_hybrid_mode=False,
+            allow_multiple_reduction=False,
+            prefer_overlap_with_compute=False,
+            num_cpu_timeout_secs=TIMEOUT_SECS,
+            num_gpu_timeout_secs=TIMEOUT_SECS,
+            explicitly_destroy=True,
+        )
+        atexit.register(self._destroy_buffer)
+
+    # ----------------------------------------------------------------- dispatch
+    def _plan(
+        self,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        topk_weights: torch.Tensor,  # [T, K]
+        fields: HeaderFields,
+    ) -> DeepEPPlan:
+        world = self.comm.world_size
+        header_pair = torch.empty(2, world, HEADER_INTS, dtype=torch.int32, device=x.device)
+        route = route_tokens(
+            topk_ids,
+            num_experts=self.setup.num_experts,
+            experts_per_rank=self.num_local,
+            world_size=world,
+            drop_invalid=self.setup.checks_on_device,
+            control=self.protocol.control,
+            fields=fields,
+            header_out=header_pair[0],
+        )
+        return DeepEPPlan(x, route.ids, topk_weights, topk_ids.size(1), header_pair)
+
+    def _send(self, plan: DeepEPPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:
+        """Hand the rows to DeepEP: ids in ``topk_idx_t`` padded to the buffer's top-k with -1
+        (one JIT variant), weights zero on unused slots, at least one row (DeepEP's own tests
+        never dispatch zero tokens: an empty rank sends one row routed nowhere)."""
+        top_k = plan.top_k
+        if self.setup.mode is DispatchMode.EXACT and outcome.received is not None:
+            top_k = max(row[Field.TOP_K] for row in outcome.received) or top_k
+        num_tokens, own_k = plan.topk_ids.shape
+        num_rows, max_k, device = max(num_tokens, 1), self.setup.max_top_k, plan.x.device
+        ids = torch.full((num_rows, max_k), -1, dtype=self.library.topk_idx_dtype, device=device)
+        ids[:num_tokens, :own_k] = plan.topk_ids
+        weights = torch.zeros(num_rows, max_k, dtype=torch.float32, device=device)
+        weights[:num_tokens, :own_k] = torch.where(
+            plan.topk_ids >= 0, plan.topk_weights.float(), 0.0
+        )
+        rows = plan.x.contiguous() if num_tokens else plan.x.new_zeros(1, self.setup.hidden_size)
+        recv_x, recv_ids, recv_weights, buffer_handle, _ = self.buffer.dispatch(
+            rows,
+            topk_idx=ids,
+            topk_weights=weights,
+            num_experts=self.setup.num_experts,
+            num_max_tokens_per_rank=self.buffer_tokens,
+            expert_alignment=self.expert_alignment,
+            num_sms=self.num_sms,
+            do_cpu_sync=self.setup.mode is DispatchMode.EXACT,
+            do_expand=layout is TopkLayout.EXPANDED,
+        )
+        handle = DeepEPHandle(buffer_handle, num_tokens)
+        if layout is TopkLayout.STANDARD:
+            hidden, global_ids, row_weights = self._standard(
+                recv_x, recv_ids[:, :top_k], recv_weights[:, :top_k], buffer_handle
+            )
+            return Dispatched(hidden, global_ids, row_weights, layout, None, handle)
+        hidden, global_ids, row_weights, offsets = self._expanded(
+            recv_x, recv_weights, buffer_handle
+        )
+        return Dispatched(hidden, global_ids, row_weights, layout, offsets, handle)
+
+    def _filler(self) -> float:
+        return float("nan") if self.setup.poison else 0.0
+
+    def _standard(
+        self,
+        hidden: torch.Tensor,  # [R, H]
+        local_ids: torch.Tensor,  # [R, K] local ids, -1 = another rank's expert
+        weights: torch.Tensor,  # [R, K] float32
+        buffer_handle: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden [R, H], global ids [R, K] int32, weights [R, K])``; rows past DeepEP's valid
+        count (uninitialised) become padding."""
+        num_rows = hidden.size(0)
+        valid_rows = buffer_handle.psum_num_recv_tokens_per_scaleup_rank[-1]  # 0-d
+        row_valid = torch.arange(num_rows, device=hidden.device) < valid_rows  # [R]
+        local = local_ids.to(torch.int64)
+        served = (local >= 0) & row_valid.unsqueeze(1)  # [R, K]
+        global_ids = torch.where(served, local + self.local_offset, -1).to(torch.int32)
+        weights = torch.where(served, weights.float(), self._filler())
+        if self.setup.poison:
+            hidden = torch.where(row_valid.unsqueeze(1), hidden, float("nan"))
+        return hidden, global_ids, weights
+
+    def _expanded(
+        self,
+        hidden: torch.Tensor,  # [N, H] grouped by local expert, groups aligned
+        weights: torch.Tensor,  # [N] float32
+        buffer_handle: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden [N, H], ids [N, 1] int32, weights [N, 1], offsets [L + 1] int32)``. Ids come
+        from the group offsets: ``psum[i]`` is expert i's aligned start plus its unaligned count
+        (DeepEP's ``EPHandle`` docstring), no host sync."""
+        psum = buffer_handle.psum_num_recv_tokens_per_expert.to(torch.int64)  # [L]
+        alignment = self.expert_alignment
+        aligned_ends = (psum + alignment - 1) // alignment * alignment
+        starts = torch.cat([psum.new_zeros(1), aligned_ends[:-1]])  # [L] group starts
+        rows = torch.arange(hidden.size(0), device=hidden.device)
+        expert = torch.searchsorted(starts, rows, right=True) - 1  # [N] in [0, L)
+        valid = rows < psum[expert]  # past a group's count: alignment padding or unused rows
+        ids = torch.where(valid, expert + self.local_offset, -1).to(torch.int32)
+        weights = torch.where(valid, weights.float(), self._filler())
+        if self.setup.poison:
+            hidden = torch.where(valid.unsqueeze(1), hidden, float("nan"))
+        offsets = torch.cat([starts, psum[-1:]]).to(torch.int32)  # [L + 1], last = valid bound
+        return hidden, ids.unsqueeze(1), weights.unsqueeze(1), offsets
+
+    # ----------------------------------------------------------------- combine
+    def _return(
+        self,
+        expert_output: torch.Tensor | None,  # [R, H]
+        dispatched: Dispatched,
+        handle: DeepEPHandle,
+        status_header: torch.Tensor,  # [HEADER_INTS] int32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepEP's combine (an unweighted bf16 sum: the experts applied the router weights),
+        then every rank's status in a ``[W, HEADER_INTS]`` all-to-all."""
+        if expert_output is None:
+            expert_output = torch.zeros_like(dispatched.hidden_states)
+        combined, _, _ = self.buffer.combine(expert_output.contiguous(), handle.buffer_handle)
+        world = self.comm.world_size
+        statuses = self.peers.all_to_all(status_header.expand(world, -1).contiguous())
+        return combined[: handle.num_tokens], statuses  # [T, H], [W, HEADER_INTS]
+
+    def _finish(
+        self,
+        combined: torch.Tensor,  # [T, H]
+        handle: DeepEPHandle,
+        out: torch.Tensor | None,
+        failed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if failed is not None:
+            combined = torch.where(failed != 0, float("nan"), combined)
+        if out is None:
+            return combined
+        out.copy_(combined)
+        return out
+
+    # ----------------------------------------------------------------- life cycle
+    def _destroy_buffer(self) -> None:
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            buffer.destroy()
+
+    def close(self) -> None:
+        """Destroy the DeepEP buffer (``explicitly_destroy=True``); also done at exit."""
+        if not self._closed:
+            atexit.unregister(self._destroy_buffer)
+            self._destroy_buffer()
+        super().close()
