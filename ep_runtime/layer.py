@@ -323,6 +323,7 @@ class EPMoE(torch.nn.Module):
         )
         self._weights_loaded = True
 
+    @torch.no_grad()
     def forward(
         self,
         x: torch.Tensor,  # [T, H] compute dtype
@@ -388,7 +389,7 @@ class EPMoE(torch.nn.Module):
 
     def _warn_if_grad(self, **tensors: torch.Tensor) -> None:
         needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
-        if needing and not self._warned_about_grad and torch.is_grad_enabled():
+        if needing and not self._warned_about_grad:
             self._warned_about_grad = True
             warnings.warn(
                 f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
@@ -436,10 +437,9 @@ class EPMoE(torch.nn.Module):
         return self.experts.forward(dispatched)
 
     def _phase(self, name: str, work: Callable[[], T]) -> T:
-        with torch.no_grad():
-            if self.phase_timer is None:
-                return work()
-            return self.phase_timer(name, work)
+        if self.phase_timer is None:
+            return work()
+        return self.phase_timer(name, work)
 
     def check(self) -> None:
         """Raise failures recorded on the device since the last check (capacity mode on CUDA:

@@ -16,7 +16,7 @@ import abc
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, final
 
@@ -117,6 +117,7 @@ class ForwardHandle:
 
     layer: LayerIdentity
     transport: Any
+    late_error: Callable[[], BaseException | None] | None  # world of one: the route's verdict
 
 
 class Dispatcher(abc.ABC):
@@ -202,13 +203,18 @@ class Dispatcher(abc.ABC):
             plan = self._plan(x, topk_ids, topk_weights, fields)
             header_pair = plan.header_pair  # [2, W, HEADER_INTS]: sent, received
             received = self.peers.all_to_all(header_pair[0], recv=header_pair[1])
+
+            def explain() -> BaseException:
+                return invalid_ids_error(topk_ids, self.setup.num_experts)
+
             outcome = self.protocol.check(
                 header_pair,
                 received,
                 Phase.DISPATCH,
                 failure,
                 top_k,
-                explain=lambda: invalid_ids_error(topk_ids, self.setup.num_experts),
+                explain=explain,
+                num_chunks=num_local_chunks,
             )
             dispatched = None
             if outcome.error is None or self.setup.checks_on_device:
@@ -216,7 +222,14 @@ class Dispatcher(abc.ABC):
         if not self.setup.checks_on_device:
             outcome.raise_error()
         assert dispatched is not None
-        handle = ForwardHandle(layer, dispatched.handle)
+        late_error = None
+        if self.comm.world_size == 1:
+            sent = header_pair[0, 0]
+
+            def late_error() -> BaseException | None:
+                return self.protocol.own_status_error(sent, explain)
+
+        handle = ForwardHandle(layer, dispatched.handle, late_error)
         return _with_handle(dispatched, handle), outcome.num_chunks
 
     @final
@@ -244,6 +257,8 @@ class Dispatcher(abc.ABC):
             if outcome.error is None or self.setup.checks_on_device:
                 result = self._finish(returned, handle.transport, out, outcome.failed)
         outcome.raise_error()
+        if handle.late_error is not None and (error := handle.late_error()) is not None:
+            raise error
         assert result is not None
         return result
 

@@ -201,10 +201,11 @@ class DeepEPV2Dispatcher(Dispatcher):
             num_experts=self.setup.num_experts,
             experts_per_rank=self.num_local,
             world_size=world,
-            drop_invalid=self.setup.checks_on_device,
+            drop_invalid=True,
             control=self.protocol.control,
             fields=fields,
             header_out=header_pair[0],
+            invalid_status=self.protocol.invalid_ids_status,
         )
         return DeepEPPlan(x, route.ids, topk_weights, topk_ids.size(1), header_pair)
 

@@ -119,6 +119,7 @@ class ForwardProtocol:
         own_error: BaseException | None,
         top_k: int,  # this rank's K (0: no tokens); ignored for the combine
         explain: Callable[[], BaseException] | None = None,
+        num_chunks: int = 1,  # this rank's chunk count (dispatch)
     ) -> Outcome:
         """Check the headers of one phase; every rank reaches the same verdict. Where headers
         are read on the host, the outcome carries them (exact mode sizes its buffers from them).
@@ -135,11 +136,8 @@ class ForwardProtocol:
                     mismatch_status=int(ForwardStatus.MISMATCH),
                 )
             return Outcome(error=own_error, failed=self.control[Control.FORWARD_FAILED])
-        if self.world_size == 1:
-            sent = self.peers.to_host(received) if phase is Phase.DISPATCH else None
-            if own_error is None and sent is not None and sent[0][Field.STATUS] and explain:
-                own_error = explain()
-            return Outcome(error=own_error, sent=sent, received=sent)
+        if self.world_size == 1:  # no peers to agree with; the route's verdict: own_status_error
+            return Outcome(error=own_error, num_chunks=num_chunks)
         if header_pair is not None:
             sent, headers = self.peers.to_host(header_pair)
         else:
@@ -163,6 +161,15 @@ class ForwardProtocol:
             return Outcome(error=error)
         chunks = max(row[Field.NUM_CHUNKS] for row in headers)
         return Outcome(num_chunks=chunks, sent=sent, received=headers)
+
+    def own_status_error(
+        self, sent_header: torch.Tensor, explain: Callable[[], BaseException]
+    ) -> BaseException | None:
+        """A world of one reads nothing mid-forward: the status the route gave this rank's
+        header (bad ids) is read once, at the end of the forward (one host sync)."""
+        if self.checks_on_device or not int(sent_header[Field.STATUS]):
+            return None
+        return explain()
 
     def _failure(self, statuses: list[int], own_error: BaseException | None) -> BaseException:
         """Every rank gathers the failures' messages (one more collective, on this path only);

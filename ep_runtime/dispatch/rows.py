@@ -43,11 +43,10 @@ from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 @dataclass(frozen=True)
 class RowPlan:
-    x: torch.Tensor  # [T, H]
-    topk_weights: torch.Tensor  # [T, K]
     top_k: int  # K of this rank's ids
     route: Route
     header_pair: torch.Tensor  # [2, W, HEADER_INTS] int32: sent, received
+    send: torch.Tensor  # [S_max, row_bytes] uint8, packed
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,9 @@ class RowDispatcher(Dispatcher):
 
     # ----------------------------------------------------------------- dispatch
     def _plan(self, x, topk_ids, topk_weights, fields: HeaderFields) -> RowPlan:
+        """Route and pack before the header exchange (nothing here waits for the host): the
+        send buffer has room for the most rows this rank can send; rows past its chunks are
+        filler (ids -1)."""
         world = self.comm.world_size
         header_pair = torch.empty(2, world, HEADER_INTS, dtype=torch.int32, device=x.device)
         route = route_tokens(
@@ -91,35 +93,34 @@ class RowDispatcher(Dispatcher):
             header_out=header_pair[0],
             invalid_status=self.protocol.invalid_ids_status,
         )
-        return RowPlan(x, topk_weights, topk_ids.size(1), route, header_pair)
+        top_k = topk_ids.size(1)
+        if self.setup.mode is DispatchMode.EXACT:
+            bound = world * self.chunks.header_rows + x.size(0) * min(top_k, world)
+        else:
+            bound = world * (self.chunks.header_rows + self.setup.max_tokens_per_rank)
+        send = self._new_buffer(Phase.DISPATCH, bound)
+        pack_rows(
+            x, topk_weights, route, send, self.row_format, self.chunks, poison=self.setup.poison
+        )
+        return RowPlan(top_k, route, header_pair, send)
 
     def _send(self, plan: RowPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:
         world, chunks = self.comm.world_size, self.chunks
         sent_rows = plan.header_pair[0, :, Field.NUM_ROWS]
         received_rows = plan.header_pair[1 if world > 1 else 0, :, Field.NUM_ROWS]
-        if self.setup.mode is DispatchMode.EXACT:
-            assert outcome.sent is not None and outcome.received is not None
+        send = plan.send
+        send_splits = recv_splits = None
+        top_k = plan.top_k
+        if outcome.sent is not None and self.setup.mode is DispatchMode.EXACT:
+            assert outcome.received is not None  # exact sizes, read from the headers
             send_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.sent])
             recv_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.received])
-            top_k = max(row[Field.TOP_K] for row in outcome.received) or plan.top_k
+            top_k = max(row[Field.TOP_K] for row in outcome.received) or top_k
             grouped_rows = sum(row[Field.NUM_SLOTS] for row in outcome.received)
-            send_total, recv_total = sum(send_splits), sum(recv_splits)
-        else:
-            send_splits = recv_splits = None
-            top_k = plan.top_k
-            cap = self.setup.max_tokens_per_rank
-            send_total = recv_total = world * (chunks.header_rows + cap)
-            grouped_rows = world * cap * min(top_k, self.num_local)
-        send = self._new_buffer(Phase.DISPATCH, send_total)
-        pack_rows(
-            plan.x,
-            plan.topk_weights,
-            plan.route,
-            send,
-            self.row_format,
-            chunks,
-            poison=self.setup.poison,
-        )
+            send, recv_total = send[: sum(send_splits)], sum(recv_splits)
+        else:  # static sizes: capacity mode, or a world of one (nothing to exchange)
+            recv_total = send.size(0)
+            grouped_rows = recv_total * min(top_k, self.num_local)
         recv = self._exchange(Phase.DISPATCH, send, sent_rows, send_splits, recv_splits)
         hidden = self.row_format.hidden(recv)  # [R, H] views into the received bytes
         ids = self.row_format.ids(recv, top_k)

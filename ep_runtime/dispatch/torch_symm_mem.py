@@ -226,11 +226,12 @@ class TorchSymmMemDispatcher(RowDispatcher):
         )
         if recv_splits is not None:  # exact mode: the host knows the size
             return buffers.recv[: sum(recv_splits)]
+        recv = buffers.recv[: send.size(0)]  # static size: as many rows as were sent
         if phase is Phase.DISPATCH:  # rows past what arrived hold an earlier forward's rows
             arrived = buffers.splits_offsets[0].sum()  # 0-d
-            stale = torch.arange(self.max_rows, device=arrived.device) >= arrived
-            torch.where(stale.unsqueeze(1), self.filler_row, buffers.recv, out=buffers.recv)
-        return buffers.recv  # combine: only rows that arrived are read
+            stale = torch.arange(recv.size(0), device=arrived.device) >= arrived
+            torch.where(stale.unsqueeze(1), self.filler_row, recv, out=recv)
+        return recv  # combine: only rows that arrived are read
 
     def close(self) -> None:
         """Drop the symmetric buffers (freed with their last reference)."""
