@@ -194,7 +194,7 @@ def agree_on_build(
     )
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device | None:
+def _checked_device(device: torch.device | str | None) -> torch.device | None:
     if device is None:
         return None
     try:
@@ -248,7 +248,7 @@ class EPMoE(torch.nn.Module):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise EPInputError("max_tokens_per_rank", "a positive int", capacity)
         self.config = config
-        self.comm = Comm.create(group, _resolve_device(device))
+        self.comm = Comm.create(group, _checked_device(device))
         self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
         self.dtype = config.resolve_dtype(self.comm.device)
         self.max_tokens_per_rank = capacity

@@ -1,6 +1,6 @@
 """Per-token acceptance tolerance, derived from the rounding steps on the compute path.
 
-Path (DESIGN.md "Precision"): x and weights are given in the compute dtype; each GEMM accumulates
+Path (docs/architecture.md, "Precision"): x and weights are given in the compute dtype; each GEMM accumulates
 in fp32 and rounds its output once (w13·x, then w2·h), the activation rounds once, the sum over a
 row's local slots rounds once, and the cross-rank combine rounds once: at most 5 roundings, each
 a relative error ≤ u (the dtype's unit roundoff). We allow 8u, i.e. 5u plus margin for the

@@ -2,38 +2,38 @@
 
 This is not DeepEP and shares no code with it. It reproduces, in plain torch over a
 torch.distributed group (gloo on CPU) or a world of one, the dispatch/combine *semantics* the
-adapter relies on, as documented in /work/shared/reference/deepep.md ("deepep.md" below) and in
-DeepEP's own code and tests at HEAD dd758ca (file:line as cited there, or the code quoted). A test
+adapter relies on, as DeepEP's own code and tests at commit dd758ca define them (file:line
+below; docs/deepep.md says what the adapter takes from them). A test
 passing against it says the adapter handles those semantics; it says nothing about the real
 library, whose tests live in tests/multigpu/test_deepep_real.py.
 
 Imitated (each with its source):
-- constructor signature and ``destroy()`` with ``explicitly_destroy=True``: deepep.md §2.1
+- constructor signature and ``destroy()`` with ``explicitly_destroy=True``: DeepEP
   (elastic.py:228; ``destroy`` asserts ``explicitly_destroy``).
-- ``topk_idx`` must be ``deep_ep.topk_idx_t``: deepep.md §2.2, §2.8 (``EP_NUM_TOPK_IDX_BITS``);
+- ``topk_idx`` must be ``deep_ep.topk_idx_t``: ``EP_NUM_TOPK_IDX_BITS``;
   buffer.hpp reads ``topk_idx.data_ptr<topk_idx_t>()``.
 - STANDARD: one row per (token, receiving rank), *local* ids with -1 for other ranks' experts:
-  deepep.md §2.2 (dispatch_copy_epilogue.cuh:104-109). Weights on -1 slots are unspecified
+  dispatch_copy_epilogue.cuh:104-109. Weights on -1 slots are unspecified
   (DeepEP's tests/elastic/test_ep.py masks them before comparing): NaN here.
 - received rows grouped by source rank, order within a source unspecified (test_ep.py sorts by
   ``recv_src_metadata[:, 0]`` before comparing): reversed here, so no adapter relies on it.
 - ``do_cpu_sync=False``: worst-case sizes ``R = W·num_max_tokens_per_rank`` and
   ``N = W·maxT·min(K, L) + (a-1)·L`` aligned; rows past the valid count are uninitialised:
-  deepep.md §2.2 and buffer.hpp ("allocate with the worst case"; ``torch::empty``). Here they
+  DeepEP and buffer.hpp ("allocate with the worst case"; ``torch::empty``). Here they
   hold NaN rows, NaN weights and id 0 (a valid-looking local id).
 - EXPANDED: no ids, 1-D weights, rows grouped by local expert, each group padded to
   ``expert_alignment``; ``psum_num_recv_tokens_per_expert[i]`` = aligned start of expert i plus
-  its unaligned count: deepep.md §0.7, §2.2 (buffer.hpp:1075-1110), EPHandle docstring
+  its unaligned count: buffer.hpp:1075-1110, EPHandle docstring
   (elastic.py:25-57), test_ep.py "Zero padding checks". Gap rows hold NaN unless
   ``do_zero_padding`` (test_ep.py: "its padding isn't initialized").
 - combine: bf16 only, an unweighted sum of the rows each token was sent, reduced once in fp32 at
-  the source with ``allow_multiple_reduction=False``: deepep.md §2.3 (combine.cuh:216-224);
+  the source with ``allow_multiple_reduction=False``: combine.cuh:216-224;
   buffer.hpp combine asserts bf16, ``topk_weights`` absent in the expanded layout, and
   ``(hidden·2) % 16 == 0``.
 - zero tokens on a rank: not imitated (DeepEP's test_ep.py always dispatches >= 1 token).
 
 Not imitated (refused): fp8 dispatch, ``allow_multiple_reduction=True``, cached handles, bias,
-SM auto-detection (``num_sms=0``; deepep.md §2.6: it falls to 4 SMs in containers).
+SM auto-detection (``num_sms=0``; DeepEP: it falls to 4 SMs in containers).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ep_runtime.comm import Comm
 from ep_runtime.dispatch.base import DISPATCHERS, DispatchSetup
 from ep_runtime.dispatch.deepep_v2 import DeepEPLibrary, DeepEPV2Dispatcher
 
-topk_idx_t = torch.int64  # deep_ep.topk_idx_t's default width (deepep.md §2.8)
+topk_idx_t = torch.int64  # deep_ep.topk_idx_t's default width (DeepEP)
 INVALID_LOCAL_ID = 0  # what "uninitialised" id rows hold here: a valid-looking local expert
 
 
@@ -67,7 +67,7 @@ class ImitationEvent:
 
 @dataclass
 class ImitationHandle:
-    """``EPHandle``'s fields the adapter may read (deepep.md §2.4), plus the return routes."""
+    """``EPHandle``'s fields the adapter may read (DeepEP), plus the return routes."""
 
     do_expand: bool
     num_experts: int

@@ -4,7 +4,7 @@ DeepEP V2 needs NCCL >= 2.30.4, the *same* libnccl as torch, and (across nodes) 
 module answers those questions through ctypes on the libnccl torch loaded, without deep_ep:
 ``ncclGetVersion`` for the version, the ``ncclCommQueryProperties`` symbol (absent before 2.29,
 so a deep_ep V2 build fails to import on such an NCCL), and ``ginType`` / ``railedGinType`` of a
-warmed NCCL process group's communicator (reference/deepep.md §2.7 and §6, "GIN probe").
+warmed NCCL process group's communicator (docs/deepep.md, "GIN").
 
 ``python -m ep_runtime.dispatch.nccl_probe`` prints one line describing this machine.
 """

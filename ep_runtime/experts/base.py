@@ -1,6 +1,6 @@
 """The experts protocol: compute ``Σ_k w_k · FFN_k(x)`` over a rank's local slots.
 
-Contract (DESIGN.md, "Dispatched"/"Experts"): take top_k from ``topk_ids.size(1)``, cast ids to
+Contract (docs/architecture.md, "The data contract"): take top_k from ``topk_ids.size(1)``, cast ids to
 int32 at the boundary, write **every** output row (zero for padding rows, computed without reading
 them), apply router weights exactly once. Weight conversion happens once, in ``load_weights``.
 """

@@ -1,4 +1,4 @@
-"""Model presets: the MoE layer shape and router of real models (DESIGN.md; anchors.md §7).
+"""Model presets: the MoE layer shape and router of real models (from their published configs).
 
 Benchmarks use each model's own router, because the router sets how many ranks a token reaches
 and so the bytes moved. ``tiny`` is the CPU-friendly default.

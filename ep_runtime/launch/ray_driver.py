@@ -1,6 +1,6 @@
 """Ray launcher: one placement group of N bundles, one rank actor per bundle, a supervised run.
 
-Pattern (reference/ray.md §4): rank actors report (node, ip, gpu); ranks are ordered by (driver's
+Pattern: rank actors report (node, ip, gpu); ranks are ordered by (driver's
 node first, ip, gpu); rank 0 binds a TCPStore on port 0 and publishes the port (no free-port race);
 NCCL on GPUs with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray does not mask devices;
 each rank picks its GPU itself), gloo on CPU. The driver issues one collective step at a time and

@@ -58,7 +58,7 @@ def assert_bad_input_fails_every_rank(
     results = pool.run_ok(cases.timed_bad_input, spec, bad_rank, fault, timeout_s=60)
     argument = BAD_INPUT_ARGUMENT[fault]
     # capacity mode on CUDA checks id values on the device only: the bad rank's check() raises,
-    # peers are not told (DESIGN.md "Validation and failure"); shape errors still reach them
+    # peers are not told (docs/architecture.md, "Failures"); shape errors still reach them
     peers_told = not (mode == "capacity" and pool.backend == "nccl" and fault == "id_out_of_range")
     for rank, (type_name, message, seconds) in enumerate(results):
         assert seconds < 30, f"rank {rank} took {seconds:.1f} s"

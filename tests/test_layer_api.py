@@ -1,0 +1,71 @@
+"""The layer's public behaviour a newcomer meets first: device errors, what ``describe()`` says,
+forward-only inputs, and backends found by discovering the package's modules."""
+
+from __future__ import annotations
+
+import pkgutil
+import warnings
+
+import pytest
+import torch
+
+import ep_runtime.dispatch
+import ep_runtime.experts
+from ep_runtime import EPInputError, EPMoE, MoEConfig
+from ep_runtime.dispatch import DISPATCHERS
+from ep_runtime.experts import EXPERTS
+
+CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_names_the_argument() -> None:
+    with pytest.raises(EPInputError, match=r"^device: expected a device this torch can use"):
+        EPMoE(CFG, device="cuda")
+
+
+def test_describe_says_why_the_chosen_backend_won_over_runnable_ones() -> None:
+    layer = EPMoE(CFG, device="cpu")
+    try:
+        text = layer.choice.describe()
+    finally:
+        layer.close()
+    assert text.splitlines()[0] == "dispatcher=torch_a2a experts=grouped_mm layout=expanded"
+    assert "passed over experts:reference: runs here too; grouped_mm ranks higher" in text
+    assert "refused experts:flashinfer_trtllm: runs on ['cuda'], not cpu" in text
+
+
+def test_inputs_that_require_grad_warn_once() -> None:
+    layer = EPMoE(CFG, experts="reference", device="cpu")
+    layer.load_weights(torch.randn(4, 16, 16), torch.randn(4, 16, 8))
+    x = torch.randn(3, 16, requires_grad=True)
+    ids = torch.tensor([[0, 1], [2, -1], [3, 1]])
+    weights = torch.rand(3, 2)
+    try:
+        with pytest.warns(UserWarning, match="forward-only .* x requires grad"):
+            out = layer(x, ids, weights)
+        assert not out.requires_grad
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            layer(x, ids, weights)  # once per layer
+    finally:
+        layer.close()
+
+
+@pytest.mark.parametrize(
+    ("package", "registry"), [(ep_runtime.dispatch, DISPATCHERS), (ep_runtime.experts, EXPERTS)]
+)
+def test_every_backend_module_registers_itself(package, registry) -> None:
+    """Adding a backend is adding a file: every module of the package was imported, and every
+    backend class defined in one is in the registry."""
+    for module in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{module.name}"
+        imported = __import__(name, fromlist=["_"])
+        backends = [
+            value
+            for value in vars(imported).values()
+            if isinstance(value, type) and value.__module__ == name and "name" in vars(value)
+        ]
+        for backend in backends:
+            assert registry[backend.name] is backend
+    assert {"torch_a2a", "deepep_v2", "torch_symm_mem"} <= set(DISPATCHERS.names())
