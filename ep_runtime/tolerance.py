@@ -1,11 +1,11 @@
 """Per-token acceptance tolerance, derived from the rounding steps on the compute path.
 
-Path (docs/architecture.md, "Precision"): x and weights are given in the compute dtype; each GEMM accumulates
-in fp32 and rounds its output once (w13·x, then w2·h), the activation rounds once, the sum over a
-row's local slots rounds once, and the cross-rank combine rounds once: at most 5 roundings, each
-a relative error ≤ u (the dtype's unit roundoff). We allow 8u, i.e. 5u plus margin for the
-activation's own error growth. fp32 accumulation over a dot product of length n adds about
-√n·u32 per GEMM in practice (2 GEMMs; we allow 8√n·u32).
+Path (docs/architecture.md, "Precision"): x and weights are given in the compute dtype; each
+GEMM accumulates in fp32 and rounds its output once (w13·x, then w2·h), the activation rounds
+once, the sum over a row's local slots rounds once, and the cross-rank combine rounds once: at
+most 5 roundings, each a relative error ≤ u (the dtype's unit roundoff). We allow 8u, i.e. 5u
+plus margin for the activation's own error growth. fp32 accumulation over a dot product of
+length n adds about √n·u32 per GEMM in practice (2 GEMMs; we allow 8√n·u32).
 
 That bounds the relative error of each term ``w_k · FFN_k(x_t)`` of a token's sum; the error of the
 sum is then at most the tolerance times ``Σ_k |w_k| · ‖FFN_k(x_t)‖`` (plus one rounding), whatever

@@ -251,6 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         f"prefill last-token logits, ep_runtime vs {baseline_name}: {agreement.describe()}",
         highlight=False,
     )
+    # the same comparison between transformers' own implementations: how far two correct
+    # computations of this model drift apart in this dtype (routing near-ties flip in bf16)
+    for name in list(results)[:-1]:
+        if name != baseline_name:
+            spread = compare_per_token(
+                results[name]["logits"], results[baseline_name]["logits"], tolerance
+            )
+            console.print(
+                f"prefill last-token logits, {name} vs {baseline_name}: {spread.describe()}",
+                highlight=False,
+            )
     console.print(
         f"decode: batch {args.decode_batch}, {args.decode_context}-token cache, "
         f"{args.decode_steps} steps; prefill: batch {args.prefill_batch} × {args.prefill_len}; "

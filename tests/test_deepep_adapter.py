@@ -42,9 +42,9 @@ from tests.deepep_imitation import (
     imitation_library,
     register_imitation,
 )
-from tests.multigpu import cases, checks, deepep_cases
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import checks, deepep_cases, dispatch_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
+from tests.multigpu.rank_inputs import CaseSpec
 
 IMITATION = ImitationBackedDeepEP.name
 LAYOUTS = ("standard", "expanded")
@@ -83,16 +83,18 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
+@pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.run_layer_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
+    checks.run_layer_cases(
+        imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
     checks.run_layer_cases(imitation_pool(2), spec)
 
 
@@ -101,7 +103,7 @@ def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
     spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
-    assert sum(imitation_pool(world_size).run_ok(cases.check_round_trip, spec)) > 0
+    assert sum(imitation_pool(world_size).run_ok(dispatch_cases.check_round_trip, spec)) > 0
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -231,7 +233,7 @@ def test_rank_without_tokens_gets_an_empty_result(layout, mode):
         x, ids, weights = (t[:0] for t in _inputs(1))
         dispatched = _dispatch(dispatcher, x, ids, weights, layout)
         assert not bool((dispatched.topk_ids >= 0).any())
-        out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
+        out = dispatcher.combine(dispatch_cases.weighted_identity(dispatched), dispatched)
         assert out.shape == (0, 32)
     finally:
         dispatcher.close()
@@ -319,7 +321,7 @@ def test_ids_reach_deepep_in_its_topk_idx_t(id_dtype, layout, mode):
         x = torch.randint(-15, 16, x.shape).to(torch.bfloat16)
         weights = torch.randint(1, 5, ids.shape).float() / 8
         dispatched = _dispatch(dispatcher, x, ids, weights, layout)
-        out = dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
+        out = dispatcher.combine(dispatch_cases.weighted_identity(dispatched), dispatched)
         total = torch.where(ids >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
         assert torch.equal(out, (total * x.float()).to(torch.bfloat16))
     finally:

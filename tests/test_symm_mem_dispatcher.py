@@ -25,10 +25,10 @@ from ep_runtime.dispatch.torch_a2a import TorchAllToAll
 from ep_runtime.dispatch.torch_symm_mem import TorchSymmMemDispatcher
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout
 from tests.conftest import EXPECTED_SKIPS_WITH_CUDA
-from tests.multigpu import cases, checks
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import checks, dispatch_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
 from tests.multigpu.expectations import expected_refusal
+from tests.multigpu.rank_inputs import CaseSpec
 from tests.symm_mem_imitation import (
     ImitationBackedSymmMem,
     imitation_all_to_all_vdev_2d,
@@ -181,8 +181,8 @@ def test_world_of_one_equals_torch_a2a(mode, layout):
             a, b = getattr(expected, name), getattr(got, name)
             assert (a is None and b is None) or torch.equal(_bits(a), _bits(b)), name
         assert torch.equal(
-            reference.combine(cases.weighted_identity(expected), expected),
-            adapter.combine(cases.weighted_identity(got), got),
+            reference.combine(dispatch_cases.weighted_identity(expected), expected),
+            adapter.combine(dispatch_cases.weighted_identity(got), got),
         )
 
 
@@ -204,7 +204,7 @@ def test_a_second_dispatch_before_the_combine_is_refused():
     first = _dispatch(adapter, x, ids, weights, TopkLayout.STANDARD)
     with pytest.raises(RuntimeError, match="before the previous dispatch was combined"):
         _dispatch(adapter, x, ids, weights, TopkLayout.STANDARD)
-    adapter.combine(cases.weighted_identity(first), first)
+    adapter.combine(dispatch_cases.weighted_identity(first), first)
     _dispatch(adapter, x, ids, weights, TopkLayout.STANDARD)  # after the combine: fine
 
 
@@ -240,15 +240,17 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
+@pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
     spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.run_layer_cases(imitation_pool(2), cases.with_spec(spec, **cases.EDGE_CASES[edge]))
+    checks.run_layer_cases(
+        imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **cases.CHUNKED_PAST_CAP)
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
     checks.run_layer_cases(imitation_pool(2), spec)
 
 
@@ -260,9 +262,9 @@ def test_dispatch_is_bitwise_and_round_trip_exact(imitation_pool, world_size, mo
     spec = CaseSpec(
         dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 0, 5, 12)[:world_size]
     )
-    assert sum(pool.run_ok(cases.check_dispatch_bitwise, spec)) > 0
-    spec = cases.with_spec(spec, top_k=4)
-    assert sum(pool.run_ok(cases.check_round_trip, spec)) > 0
+    assert sum(pool.run_ok(dispatch_cases.check_dispatch_bitwise, spec)) > 0
+    spec = rank_inputs.with_spec(spec, top_k=4)
+    assert sum(pool.run_ok(dispatch_cases.check_round_trip, spec)) > 0
 
 
 def compare_with_torch_a2a(spec: CaseSpec) -> int:
@@ -271,20 +273,22 @@ def compare_with_torch_a2a(spec: CaseSpec) -> int:
     and the same combine output, bitwise; then again for fewer tokens on the same buffers.
     Returns the rows compared."""
     rank = dist.get_rank()
-    rounds = [spec, cases.with_spec(spec, seed=spec.seed + 1, tokens=(1, 2, 0, 3))]
+    rounds = [spec, rank_inputs.with_spec(spec, seed=spec.seed + 1, tokens=(1, 2, 0, 3))]
     layers = [
-        cases.build_layer(cases.with_spec(spec, dispatcher=name))
+        rank_inputs.build_layer(rank_inputs.with_spec(spec, dispatcher=name))
         for name in ("torch_a2a", IMITATION)
     ]
     compared = 0
     try:
         for inputs_spec in rounds:
-            x, ids, weights = cases.dyadic_inputs(inputs_spec, rank)
+            x, ids, weights = rank_inputs.dyadic_inputs(inputs_spec, rank)
             results = []
             for layer in layers:
-                dispatched = cases.dispatch_only(layer, x, ids, weights)
+                dispatched = rank_inputs.dispatch_only(layer, x, ids, weights)
                 valid = (dispatched.topk_ids >= 0).any(1)
-                out = layer.dispatcher.combine(cases.weighted_identity(dispatched), dispatched)
+                out = layer.dispatcher.combine(
+                    dispatch_cases.weighted_identity(dispatched), dispatched
+                )
                 results.append((dispatched, valid, out))
             (a, a_valid, a_out), (b, b_valid, b_out) = results
             for field in ("hidden_states", "topk_ids", "topk_weights"):

@@ -1,7 +1,8 @@
 """What a forward moves and computes, from the routing alone (no backend involved).
 
 Wire rows: a token travels once to each rank owning at least one of its experts
-(docs/architecture.md, "Wire format"), so a rank receives one row per (source token, this rank) pair, its own tokens included.
+(docs/architecture.md, "Wire format"), so a rank receives one row per (source token, this rank)
+pair, its own tokens included.
 Expert work: one (token, expert) pair per valid slot.
 """
 

@@ -32,6 +32,7 @@ from ep_runtime.types import RemoteRankError
 
 POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
 POLL_EVERY_S = 0.2
+SETTLE_S = 2.0  # how long a collective may take to end by itself once a peer is in trouble
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
 DISPATCHER_NOTICE = "dispatcher"
@@ -175,7 +176,7 @@ class Peers:
             except Exception as error:
                 if work.is_completed():  # it failed, not a slice that timed out
                     self._diagnose(error, what)
-            self._raise_on_trouble(what)
+            self._raise_on_trouble(what, settle=work)
             timeout = timedelta(seconds=POLL_EVERY_S)
 
     def _poll(self, done: Callable[[], bool], what: str) -> None:
@@ -247,10 +248,18 @@ class Peers:
             return -1, f"the group's store is unreachable ({kind}: {store_error})"
         return None
 
-    def _raise_on_trouble(self, what: str, cause: BaseException | None = None) -> None:
+    def _raise_on_trouble(
+        self, what: str, cause: BaseException | None = None, settle: dist.Work | None = None
+    ) -> None:
+        """Raise if a peer is in trouble. ``settle``: the collective this rank is about to leave;
+        it gets a moment to end by itself first (with a dead peer gloo fails it at once), so no
+        collective is left running in gloo's threads when the process exits."""
         found = self._trouble()
         if found is None:
             return
+        deadline = time.monotonic() + SETTLE_S
+        while settle is not None and not settle.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
         rank, reason = found
         self.mark_unusable(f"rank {rank} {reason}" if rank >= 0 else reason)
         self._abort_group()

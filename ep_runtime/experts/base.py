@@ -1,8 +1,9 @@
 """The experts protocol: compute ``Σ_k w_k · FFN_k(x)`` over a rank's local slots.
 
-Contract (docs/architecture.md, "The data contract"): take top_k from ``topk_ids.size(1)``, cast ids to
-int32 at the boundary, write **every** output row (zero for padding rows, computed without reading
-them), apply router weights exactly once. Weight conversion happens once, in ``load_weights``.
+Contract (docs/architecture.md, "The data contract"): take top_k from ``topk_ids.size(1)``,
+read ids as int32, write every row that has a served slot (padding rows' results are never read,
+and padding may hold NaN), apply router weights exactly once. Weight conversion happens once, in
+``load_weights``.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class Experts(abc.ABC):
         dtype, and convert once to whatever layout the kernel wants."""
 
     @abc.abstractmethod
-    def forward(self, dispatched: Dispatched, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[R, H]`` in the compute dtype; row r = Σ over its non-(-1) slots of w·FFN(x_r)."""
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
+        """``[R, H]`` in the compute dtype; row r = Σ over its non-(-1) slots of w·FFN(x_r)
+        (rows without a served slot may hold anything: nothing reads them)."""
 
     def workspace_bytes(self, max_rows: int) -> int:
         """Scratch memory the backend needs for ``max_rows`` dispatched rows (allocated once)."""

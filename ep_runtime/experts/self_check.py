@@ -4,12 +4,11 @@ When: the first time the backend is considered for a layer on a device (per proc
 activation), while backends are chosen, so every layer (the first one too) gets the same answer
 and "auto" moves on from a backend that fails it.
 
-What: the backend runs a small hand-made problem for a virtual rank
-(rank 1 of 3, so the expert offset is > 0) in both layouts, with local, non-local and -1 ids, a
-padding row of NaN, NaN weights on -1 slots, an intermediate size that needs padding and a
-NaN-filled output buffer, and is compared per token to ``reference_moe`` with the derived
-tolerance (on the rows that hold data). A mismatch (or an exception) refuses the backend with
-the numbers. Skip it with ``EP_RUNTIME_SKIP_SELF_CHECK=1``.
+What: the backend runs a small hand-made problem for a virtual rank (rank 1 of 3, so the expert
+offset is > 0) in both layouts, with local, non-local and -1 ids, a padding row of NaN, NaN
+weights on -1 slots and an intermediate size that needs padding, and is compared per token to
+``reference_moe`` with the derived tolerance (on the rows that hold data). A mismatch (or an
+exception) refuses the backend with the numbers. Skip it with ``EP_RUNTIME_SKIP_SELF_CHECK=1``.
 
 ``make_check_problem`` is also what the real-kernel tests feed the backends.
 """

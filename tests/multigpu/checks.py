@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from tests.multigpu import cases
-from tests.multigpu.cases import CaseResult, CaseSpec
+from tests.multigpu import fault_cases, layer_cases, rank_inputs
+from tests.multigpu.layer_cases import CaseResult
+from tests.multigpu.rank_inputs import CaseSpec
 
 RunCase = Callable[[CaseSpec], list[CaseResult]]  # runs a layer case on every rank
 
@@ -30,7 +31,7 @@ def assert_all_pass(results: list[CaseResult]) -> None:
 def run_layer_cases(pool, spec: CaseSpec) -> list[CaseResult]:
     """A layer case on every rank: the named dispatcher must be the one that ran, and every rank
     must match ``reference_moe``."""
-    results = pool.run_ok(cases.run_layer_case, spec)
+    results = pool.run_ok(layer_cases.run_layer_case, spec)
     assert {r.dispatcher for r in results} == {spec.dispatcher}, "another dispatcher ran"
     assert_all_pass(results)
     return results
@@ -40,7 +41,7 @@ def assert_poison_matches_clean(run: RunCase, spec: CaseSpec) -> None:
     """NaN in padding rows, -1-slot weights and preallocated outputs must not leak: the poisoned
     run is finite and bitwise equal to the clean one."""
     clean = run(spec)
-    poisoned = run(cases.with_spec(spec, poison=True))
+    poisoned = run(rank_inputs.with_spec(spec, poison=True))
     assert_all_pass(poisoned)
     for c, p in zip(clean, poisoned, strict=True):
         assert torch.isfinite(p.output).all()
@@ -54,8 +55,8 @@ def assert_bad_input_fails_every_rank(
     rank raises an error naming it, within 30 s; the group stays usable (nobody hangs)."""
     world_size = pool.world_size
     bad_rank = world_size - 1
-    spec = cases.with_spec(spec, mode=mode, tokens=(5,) * world_size)
-    results = pool.run_ok(cases.timed_bad_input, spec, bad_rank, fault, timeout_s=60)
+    spec = rank_inputs.with_spec(spec, mode=mode, tokens=(5,) * world_size)
+    results = pool.run_ok(fault_cases.timed_bad_input, spec, bad_rank, fault, timeout_s=60)
     argument = BAD_INPUT_ARGUMENT[fault]
     # capacity mode on CUDA checks id values on the device only: the bad rank's check() raises,
     # peers are not told (docs/architecture.md, "Failures"); shape errors still reach them

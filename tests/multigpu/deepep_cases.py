@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.multigpu import cases
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import dispatch_cases
+from tests.multigpu.rank_inputs import CaseSpec
 
 
 def _row_keys(
@@ -26,7 +26,7 @@ def _row_keys(
 def check_dispatch_bitwise_any_order(spec: CaseSpec) -> int:
     """Rows, global int32 ids (-1 where not served here) and weights arrive exactly, in any
     order; every other row is padding (all ids -1). Returns the number of valid rows."""
-    inputs, dispatched, (low, high) = cases.dispatch_dyadic_inputs(spec)
+    inputs, dispatched, (low, high) = dispatch_cases.dispatch_dyadic_inputs(spec)
     num_local = high - low
     rows, row_ids, row_weights = [], [], []
     for src_x, src_ids, src_w in inputs:

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from tests.multigpu.cases import CaseSpec, build_layer, make_inputs
+from tests.multigpu.rank_inputs import CaseSpec, build_layer, make_inputs
 
 SCENARIOS = ("raise_before", "raise_inside", "kill_before", "kill_inside")
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ep_runtime import reference_moe
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.multigpu.cases import CaseSpec, build_layer, device, make_inputs, make_weights
+from tests.multigpu.rank_inputs import CaseSpec, build_layer, device, make_inputs, make_weights
 
 INJECTED = "injected failure in the experts (as an out-of-memory error would be)"
 MISMATCHED_SETTINGS = {
@@ -217,3 +217,28 @@ def fails_with_checks_on_device(spec: CaseSpec, bad_rank: int, fault: str) -> De
     finally:
         for layer in layers:
             layer.close()
+
+
+def timed_bad_input(spec: CaseSpec, bad_rank: int, fault: str) -> tuple[str, str, float]:
+    """Rank ``bad_rank`` passes bad input; every rank returns (error type, message, seconds)."""
+    rank = dist.get_rank()
+    x, ids, weights = make_inputs(spec, rank)
+    layer = build_layer(spec)
+    if rank == bad_rank:
+        if fault == "id_out_of_range":
+            ids = ids.clone()
+            ids[0, 0] = spec.num_experts + 3
+        elif fault == "wrong_hidden":
+            x = torch.zeros(x.size(0), spec.hidden + 1, dtype=spec.dtype)
+        elif fault == "too_many_tokens":
+            x, ids, weights = (t.repeat(spec.cap + 1, 1)[: spec.cap + 1] for t in (x, ids, weights))
+    dev = device()
+    start = time.monotonic()
+    try:
+        layer(x.to(dev), ids.to(dev), weights.to(dev))
+        layer.check()  # capacity mode on CUDA defers errors to here (no host sync in forward)
+        return ("none", "", time.monotonic() - start)
+    except Exception as error:
+        return (type(error).__name__, str(error), time.monotonic() - start)
+    finally:
+        layer.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multigpu import cases
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import cuda_cases
+from tests.multigpu.rank_inputs import CaseSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,7 +28,9 @@ def test_capacity_forward_has_no_host_sync(pool_factory, world_size, layout, act
         hidden=128,
         intermediate=64,
     )
-    for comparison in pool_factory(world_size).run_ok(cases.capacity_forward_without_sync, spec):
+    for comparison in pool_factory(world_size).run_ok(
+        cuda_cases.capacity_forward_without_sync, spec
+    ):
         assert comparison.passed, comparison.describe()
 
 
@@ -38,7 +40,7 @@ def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout) -> Non
     spec = CaseSpec(
         experts="grouped_mm", layout=layout, mode="capacity", hidden=128, intermediate=64, cap=32
     )
-    replays = pool_factory(world_size).run_ok(cases.cuda_graph_replay_matches_eager, spec)
+    replays = pool_factory(world_size).run_ok(cuda_cases.cuda_graph_replay_matches_eager, spec)
     assert replays == [2] * world_size
 
 
@@ -47,7 +49,7 @@ def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout) -> Non
 def test_capacity_mode_records_bad_ids_on_the_device(pool_factory, world_size, layout) -> None:
     spec = CaseSpec(experts="grouped_mm", layout=layout, mode="capacity", tokens=(6, 6))
     for kind, message, next_ok in pool_factory(world_size).run_ok(
-        cases.capacity_bad_ids_are_recorded, spec
+        cuda_cases.capacity_bad_ids_are_recorded, spec
     ):
         assert kind == "EPInputError", (kind, message)
         assert "2 out-of-range or repeated ids" in message, message

@@ -15,8 +15,8 @@ import torch
 
 from ep_runtime.dispatch.deepep_v2 import deep_ep_problems
 from ep_runtime.dispatch.nccl_probe import probe_library
-from tests.multigpu import cases, deepep_cases
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import deepep_cases, dispatch_cases, fault_cases, layer_cases, rank_inputs
+from tests.multigpu.rank_inputs import CaseSpec
 
 CASE_TIMEOUT_S = 600.0
 MULTI_RANK_SIZES = (2, 4, 8)
@@ -49,7 +49,7 @@ def nccl_pool(pool_factory):
 
 
 def run_real(pool, spec: CaseSpec):
-    results = pool.run_ok(cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S)
+    results = pool.run_ok(layer_cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S)
     assert {r.dispatcher for r in results} == {"deepep_v2"}
     bad = [f"rank {r.rank}: {r.comparison.describe()}" for r in results if not r.comparison.passed]
     assert not bad, "\n".join(bad)
@@ -74,7 +74,9 @@ def test_layer_matches_reference(nccl_pool, world_size, mode, layout, experts):
 @pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
 def test_auto_prefers_deepep(nccl_pool, world_size):
     spec = CaseSpec(dispatcher="auto", experts="grouped_mm", layout="expanded")
-    results = nccl_pool(world_size).run_ok(cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S)
+    results = nccl_pool(world_size).run_ok(
+        layer_cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S
+    )
     assert {r.dispatcher for r in results} == {"deepep_v2"}
 
 
@@ -87,7 +89,7 @@ def test_auto_prefers_deepep(nccl_pool, world_size):
 )
 def test_edge_cases(nccl_pool, changes, layout, mode):
     spec = CaseSpec(dispatcher="deepep_v2", experts="grouped_mm", layout=layout, mode=mode)
-    run_real(nccl_pool(2), cases.with_spec(spec, **changes))
+    run_real(nccl_pool(2), rank_inputs.with_spec(spec, **changes))
 
 
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
@@ -113,7 +115,9 @@ def test_dispatch_is_bitwise(nccl_pool, world_size, mode, layout):
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_round_trip_is_exact(nccl_pool, world_size, mode, layout):
     spec = CaseSpec(dispatcher="deepep_v2", layout=layout, mode=mode, top_k=4, num_experts=8)
-    rows = nccl_pool(world_size).run_ok(cases.check_round_trip, spec, timeout_s=CASE_TIMEOUT_S)
+    rows = nccl_pool(world_size).run_ok(
+        dispatch_cases.check_round_trip, spec, timeout_s=CASE_TIMEOUT_S
+    )
     assert sum(rows) > 0
 
 
@@ -126,7 +130,7 @@ def test_bad_input_on_one_rank_fails_every_rank(nccl_pool, fault, mode):
     from the bad rank) and raise at ``check()``, naming it. Nobody hangs."""
     spec = CaseSpec(dispatcher="deepep_v2", experts="grouped_mm", mode=mode, tokens=(5, 5))
     pool = nccl_pool(2)
-    results = pool.run_ok(cases.timed_bad_input, spec, 1, fault, timeout_s=CASE_TIMEOUT_S)
+    results = pool.run_ok(fault_cases.timed_bad_input, spec, 1, fault, timeout_s=CASE_TIMEOUT_S)
     argument = {"id_out_of_range": "topk_ids", "too_many_tokens": "x"}[fault]
     assert results[1][0] == "EPInputError" and results[1][1].startswith(f"{argument}:"), results
     assert results[0][0] == "RemoteRankError" and "rank 1 failed" in results[0][1], results

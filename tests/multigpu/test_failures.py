@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ep_runtime.dispatch.base import DEVICE_CHECKS_ENV
 from tests.multigpu import fault_cases
-from tests.multigpu.cases import CaseSpec
 from tests.multigpu.pool import RankPool
+from tests.multigpu.rank_inputs import CaseSpec
 
 GROUP_TIMEOUT_S = 60.0
 WITHIN_S = 15.0

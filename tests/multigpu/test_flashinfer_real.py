@@ -23,9 +23,9 @@ from ep_runtime.experts import EXPERTS
 from ep_runtime.experts.self_check import check_setup, make_check_problem
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import Activation, TopkLayout
-from tests.multigpu import cases
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import layer_cases
 from tests.multigpu.pool import RankFailure
+from tests.multigpu.rank_inputs import CaseSpec
 
 BACKENDS = ("flashinfer_trtllm", "flashinfer_cutlass")
 EXPECTED_REFUSALS = (
@@ -76,7 +76,7 @@ def test_virtual_rank_matches_reference(backend, layout, activation, shape):
 
 
 def run_layer(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
-    results = pool.run(cases.run_layer_case, spec, faults)
+    results = pool.run(layer_cases.run_layer_case, spec, faults)
     failures = [r for r in results if isinstance(r, RankFailure)]
     if failures:
         if all(f.type_name == "BackendUnavailableError" for f in failures):

@@ -14,10 +14,10 @@ import torch
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
 from ep_runtime.types import Activation, DispatchMode, TopkLayout
-from tests.multigpu import cases, checks
-from tests.multigpu.cases import CaseSpec
+from tests.multigpu import checks, dispatch_cases, layer_cases, rank_inputs
 from tests.multigpu.expectations import expected_refusal
 from tests.multigpu.pool import RankFailure
+from tests.multigpu.rank_inputs import CaseSpec
 
 # EP_TEST_WORLD_SIZES=1,2,4,8 on a machine with 8 GPUs runs NCCL across all of them
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("EP_TEST_WORLD_SIZES", "1,2,4").split(","))
@@ -43,7 +43,7 @@ def case_id(spec: CaseSpec) -> str:
 def run_checked(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
     """Run a layer case on every rank; skip (with the reason) only for a refusal this machine
     predicts, with the message it predicts (tests/multigpu/expectations.py)."""
-    results = pool.run(cases.run_layer_case, spec, faults)
+    results = pool.run(layer_cases.run_layer_case, spec, faults)
     failures = [r for r in results if isinstance(r, RankFailure)]
     if failures:
         refused = [f for f in failures if f.type_name == "BackendUnavailableError"]
@@ -79,22 +79,22 @@ def test_fp32(pool_factory, experts: str, layout: str, mode: str) -> None:
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
-@pytest.mark.parametrize("edge", list(cases.EDGE_CASES))
+@pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
 def test_edge_cases(pool_factory, edge: str, mode: str, layout: str, experts: str) -> None:
-    spec = CaseSpec(experts=experts, layout=layout, mode=mode, **cases.EDGE_CASES[edge])
+    spec = CaseSpec(experts=experts, layout=layout, mode=mode, **rank_inputs.EDGE_CASES[edge])
     checks.assert_all_pass(run_checked(pool_factory(2), spec))
 
 
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_idle_rank_may_pass_another_k(pool_factory, layout: str) -> None:
-    spec = CaseSpec(experts="grouped_mm", layout=layout, **cases.IDLE_RANK_OTHER_K)
+    spec = CaseSpec(experts="grouped_mm", layout=layout, **rank_inputs.IDLE_RANK_OTHER_K)
     checks.assert_all_pass(run_checked(pool_factory(2), spec))
 
 
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_exact_mode_chunks_past_the_cap(pool_factory, layout: str) -> None:
     """T > cap in exact mode: rank 0 needs 3 chunks, rank 1 keeps sending empty slices."""
-    spec = CaseSpec(experts="grouped_mm", layout=layout, **cases.CHUNKED_PAST_CAP)
+    spec = CaseSpec(experts="grouped_mm", layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
     checks.assert_all_pass(run_checked(pool_factory(2), spec))
 
 
@@ -141,7 +141,7 @@ def test_negative_controls_fail_the_checker(pool_factory, fault: str, layout: st
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_dispatch_is_bitwise(pool_factory, world_size: int, mode: str, layout: str) -> None:
     spec = CaseSpec(layout=layout, mode=mode, top_k=3, tokens=(9, 0, 5, 12)[:world_size])
-    counts = pool_factory(world_size).run_ok(cases.check_dispatch_bitwise, spec)
+    counts = pool_factory(world_size).run_ok(dispatch_cases.check_dispatch_bitwise, spec)
     assert sum(counts) > 0
 
 
@@ -151,7 +151,7 @@ def test_dispatch_is_bitwise(pool_factory, world_size: int, mode: str, layout: s
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_round_trip_is_exact(pool_factory, world_size, dtype, mode, layout) -> None:
     spec = CaseSpec(layout=layout, mode=mode, dtype=dtype, top_k=4, num_experts=8)
-    rows = pool_factory(world_size).run_ok(cases.check_round_trip, spec)
+    rows = pool_factory(world_size).run_ok(dispatch_cases.check_round_trip, spec)
     assert sum(rows) > 0
 
 
