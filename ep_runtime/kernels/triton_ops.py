@@ -6,8 +6,8 @@ per-forward sizes (rows per chunk, valid grouped rows, the failure flag) are rea
 kernels, so capacity mode stays capturable in a CUDA graph. Reductions add in a fixed order and
 use no atomics, so two runs are bitwise equal.
 
-Launches per op: route 2 (count, place), pack 1, local_ids 1, group 4 (count, scan, place,
-gather), activation 1, sum 1, each header op 1.
+Launches per op: route 1, pack 1, local_ids 1, group 3 (count, place, gather), activation 1,
+sum 1, each header op 1.
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) the same kernels run on CPU tensors; the interpreter
 truncates fp32 → bf16, so there the rounding is done on the bits (``_rounded``).
@@ -53,10 +53,6 @@ HBYTES = tl.constexpr(HEADER_BYTES)
 
 MAX_ROW_BLOCK = 2048  # elements of a row one program copies per step
 TILE_ELEMENTS = 4096  # bound on the elements of the 2-D/3-D index tiles (registers)
-ROUTE_BLOCK = 128  # tokens per route program
-ROUTE_BITS = 64  # destinations per step of the route kernels (one bit each of an int64)
-GROUP_BLOCK = 64  # (row, slot) pairs per group_rows count/place program
-GROUP_GATHER_ROWS = 4  # grouped rows per gather program (at most; fewer for long rows)
 
 __all__ = [
     "Grouped",
@@ -101,11 +97,6 @@ if INTERPRET:
 def _pow2(n: int) -> int:
     """Smallest power of two ≥ max(n, 1)."""
     return triton.next_power_of_2(max(int(n), 1))
-
-
-def _floor_pow2(n: int) -> int:
-    """Largest power of two ≤ max(n, 1)."""
-    return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 def _row_block(length: int, element_size: int) -> tuple[int, int]:
@@ -182,88 +173,18 @@ def _chunk_starts(
 
 # --------------------------------------------------------------------------- route_tokens
 @triton.jit
-def _owner_bits(owner, w0, WC: tl.constexpr):
-    """``[BT]`` int64: bit ``d`` set where the token's row has an id owned by rank ``w0 + d``
-    (``0 ≤ d < WC ≤ 64``), from ``owner`` ``[BT, KP]`` (-1 = unused)."""
-    rel = owner - w0
-    inside = (rel >= 0) & (rel < WC)
-    one = tl.full(rel.shape, 1, tl.int64)
-    bits = tl.where(inside, one << tl.where(inside, rel, 0).to(tl.int64), 0)
-    return tl.reduce_or(bits, axis=1)
-
-
-@triton.jit
-def _route_count_kernel(
+def _route_kernel(
     topk_ids,  # [T, K] int32/int64
     ids_stride_t,
     ids_stride_k,
     ids_out,  # [T, K] int32, contiguous
-    table,  # [NB, 2·WP + 1] int32: per block rows [WP], (token, slot) pairs [WP], dropped ids
-    table_stride,
-    num_tokens,
-    num_experts,
-    experts_per_rank,
-    top_k,
-    world,
-    KP: tl.constexpr,  # top_k padded to a power of two
-    WP: tl.constexpr,  # world padded to a power of two
-    WC: tl.constexpr,  # destinations per step (≤ 64: one bit each)
-    WS: tl.constexpr,  # destinations per step of the (token, slot) one-hot
-    BT: tl.constexpr,  # tokens per program
-    DROP: tl.constexpr,
-):
-    """Program per block of BT tokens: cleans its ids (drop mode) and writes them, then its
-    row of the table: token rows and (token, slot) pairs per destination, ids dropped."""
-    block = tl.program_id(0)
-    k = tl.arange(0, KP)
-    t = block * BT + tl.arange(0, BT)
-    t_ok = t < num_tokens
-    tk_ok = t_ok[:, None] & (k[None, :] < top_k)  # [BT, KP]
-    t64 = t.to(tl.int64)
-    ids = tl.load(
-        topk_ids + t64[:, None] * ids_stride_t + k[None, :] * ids_stride_k,
-        mask=tk_ok,
-        other=-1,
-    ).to(tl.int64)
-    row = table + block * table_stride
-    if DROP:
-        out_of_range = (ids < -1) | (ids >= num_experts)
-        ids = tl.where(out_of_range, -1, ids)
-    ids = ids.to(tl.int32)  # in range after the drop (as the twin's cast otherwise)
-    if DROP:
-        # slot k repeats an id of an earlier slot j < k: [BT, KP (k), KP (j)]
-        same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
-        same = same & (k[None, None, :] < k[None, :, None])
-        repeated = tl.max(same.to(tl.int32), axis=2) > 0
-        ids = tl.where(repeated, -1, ids)
-        dropped = tl.sum(tl.sum((out_of_range | repeated).to(tl.int32), axis=1), axis=0)
-        tl.store(row + 2 * WP, dropped)
-    tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
-    owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)  # [BT, KP]
-    d = tl.arange(0, WC)
-    for w0 in range(0, world, WC):
-        bits = _owner_bits(owner, w0, WC)
-        member = ((bits[:, None] >> d[None, :].to(tl.int64)) & 1).to(tl.int32)  # [BT, WC]
-        tl.store(row + w0 + d, tl.sum(member, axis=0), mask=w0 + d < world)
-        for s0 in range(0, WC, WS):
-            s = s0 + tl.arange(0, WS)
-            hit = (owner[:, :, None] - w0) == s[None, None, :]  # [BT, KP, WS]
-            pairs = tl.sum(tl.sum(hit.to(tl.int32), axis=1), axis=0)
-            tl.store(row + WP + w0 + s, pairs, mask=w0 + s < world)
-
-
-@triton.jit
-def _route_place_kernel(
-    ids_out,  # [T, K] int32, contiguous (the count kernel's)
     dest_slot,  # [T, W] int32, contiguous
     token_of,  # [W, T] int32, contiguous
     header,  # [W, HEADER_INTS] int32
     header_stride,
     control,  # [CONTROL_INTS] int32
-    table,  # [NB, 2·WP + 1] int32 (the count kernel's)
-    table_stride,
     num_tokens,
-    num_blocks,
+    num_experts,
     experts_per_rank,
     status,
     fingerprint,
@@ -274,113 +195,84 @@ def _route_place_kernel(
     invalid_status,  # nonzero: invalid ids make the status this instead of being counted
     top_k,
     world,
-    KP: tl.constexpr,
-    WP: tl.constexpr,
-    WC: tl.constexpr,
-    BT: tl.constexpr,
-    BB: tl.constexpr,  # table rows per step
+    KP: tl.constexpr,  # top_k padded to a power of two
+    WP: tl.constexpr,  # world padded to a power of two
+    BT: tl.constexpr,  # tokens per step
     DROP: tl.constexpr,
 ):
-    """Program per block of BT tokens: its first row per destination is the rows of earlier
-    blocks (the table); a cumsum of membership over its tokens gives ``dest_slot`` and
-    ``token_of``; it fills ``token_of``'s -1 tail over its token range. The last program also
-    writes the header and updates the control block."""
-    block = tl.program_id(0)
-    last = block == num_blocks - 1
+    """One program: tokens in blocks of BT, with running rows per destination (the carry)."""
+    seq = tl.load(control + C_SEQ)
+    bad_ids = tl.load(control + C_BAD_IDS)
+    tl.debug_barrier()  # every thread has read control before any thread writes it
     k = tl.arange(0, KP)
-    t = block * BT + tl.arange(0, BT)
-    t_ok = t < num_tokens
-    t64 = t.to(tl.int64)
-    ids = tl.load(
-        ids_out + t64[:, None] * top_k + k[None, :],
-        mask=t_ok[:, None] & (k[None, :] < top_k),
-        other=-1,
-    )
-    owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)  # [BT, KP]
-    seq = tl.load(control + C_SEQ, mask=last, other=0)  # control: the last program's alone
-    bad_ids = tl.load(control + C_BAD_IDS, mask=last, other=0)
-    dropped = 0
-    if DROP:  # invalid ids fail this rank's forward (as the header's status) if asked to
-        lanes = tl.zeros([BB], dtype=tl.int32)
-        for first in range(0, num_blocks, BB):
-            b = first + tl.arange(0, BB)
-            lanes += tl.load(
-                table + b * table_stride + 2 * WP, mask=last & (b < num_blocks), other=0
-            )
-        dropped = tl.sum(lanes, axis=0)
-        status = tl.where(
-            (dropped > 0) & (invalid_status != 0) & (status == 0), invalid_status, status
-        )
-    d = tl.arange(0, WC)
-    f = tl.arange(0, HINTS)[None, :]  # [1, HEADER_INTS]
-    for w0 in range(0, world, WC):
-        w = w0 + d
-        w_ok = w < world
-        before = tl.zeros([WC], dtype=tl.int32)  # rows of earlier blocks per destination
-        rows = tl.zeros([WC], dtype=tl.int32)  # rows of all blocks
-        slots = tl.zeros([WC], dtype=tl.int32)  # (token, slot) pairs of all blocks (last)
-        for first in range(0, num_blocks, BB):
-            b = first + tl.arange(0, BB)
-            at = table + b[:, None] * table_stride + w[None, :]  # [BB, WC]
-            ok = (b[:, None] < num_blocks) & w_ok[None, :]
-            counts = tl.load(at, mask=ok, other=0)
-            rows += tl.sum(counts, axis=0)
-            before += tl.sum(tl.where(b[:, None] < block, counts, 0), axis=0)
-            slots += tl.sum(tl.load(at + WP, mask=ok & last, other=0), axis=0)
-        bits = _owner_bits(owner, w0, WC)
-        member = ((bits[:, None] >> d[None, :].to(tl.int64)) & 1) != 0  # [BT, WC]
-        member = member & t_ok[:, None] & w_ok[None, :]
-        running = tl.cumsum(member.to(tl.int32), axis=0) + before[None, :]  # [BT, WC]
+    w = tl.arange(0, WP)
+    rows = tl.zeros([WP], dtype=tl.int32)  # token rows so far per destination
+    slot_lanes = tl.zeros([BT, WP], dtype=tl.int32)  # (token, slot) pairs per lane, summed last
+    dropped_lanes = tl.zeros([BT], dtype=tl.int32)
+    for start in range(0, num_tokens, BT):
+        t = start + tl.arange(0, BT)
+        t_ok = t < num_tokens
+        tk_ok = t_ok[:, None] & (k[None, :] < top_k)  # [BT, KP]
+        t64 = t.to(tl.int64)
+        ids = tl.load(
+            topk_ids + t64[:, None] * ids_stride_t + k[None, :] * ids_stride_k,
+            mask=tk_ok,
+            other=-1,
+        ).to(tl.int64)
+        if DROP:
+            out_of_range = (ids < -1) | (ids >= num_experts)
+            ids = tl.where(out_of_range, -1, ids)
+        ids = ids.to(tl.int32)  # in range after the drop (as the twin's cast otherwise)
+        if DROP:
+            # slot k repeats an id of an earlier slot j < k: [BT, KP (k), KP (j)]
+            same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+            same = same & (k[None, None, :] < k[None, :, None])
+            repeated = tl.max(same.to(tl.int32), axis=2) > 0
+            ids = tl.where(repeated, -1, ids)
+            dropped_lanes += tl.sum((out_of_range | repeated).to(tl.int32), axis=1)
+        tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
+        owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)
+        hit = (owner[:, :, None] == w[None, None, :]) & (w[None, None, :] < world)  # [BT,KP,WP]
+        hit = hit.to(tl.int32)
+        slot_lanes += tl.sum(hit, axis=1)
+        member = tl.max(hit, axis=1) > 0  # [BT, WP]: token t goes to rank w
+        running = tl.cumsum(member.to(tl.int32), axis=0) + rows[None, :]  # [BT, WP]
         slot = tl.where(member, running - 1, -1)
         tl.store(
             dest_slot + t64[:, None] * world + w[None, :],
             slot,
-            mask=t_ok[:, None] & w_ok[None, :],
+            mask=t_ok[:, None] & (w[None, :] < world),
         )
-        token_rows = w[None, :].to(tl.int64) * num_tokens  # [1, WC]
+        token_rows = w[None, :].to(tl.int64) * num_tokens  # [1, WP]
         tl.store(token_of + token_rows + slot, t[:, None] + 0 * slot, mask=member)
-        # token_of past each destination's count, over this block's range of rows
-        past = t_ok[:, None] & w_ok[None, :] & (t[:, None] >= rows[None, :])
-        tl.store(token_of + token_rows + t64[:, None], -1, mask=past)
-        if last:
-            values = tl.zeros([WC, HINTS], dtype=tl.int32)
-            values = tl.where(f == F_STATUS, status, values)
-            values = tl.where(f == F_SEQ, seq, values)
-            values = tl.where(f == F_FINGERPRINT, fingerprint, values)
-            values = tl.where(f == F_LAYER, layer, values)
-            values = tl.where(f == F_PHASE, phase, values)
-            values = tl.where(f == F_TOP_K, top_k_field, values)
-            values = tl.where(f == F_NUM_CHUNKS, num_chunks, values)
-            values = tl.where(f == F_NUM_ROWS, rows[:, None], values)
-            values = tl.where(f == F_NUM_SLOTS, slots[:, None], values)
-            tl.store(header + w[:, None] * header_stride + f, values, mask=w_ok[:, None])
-    tl.debug_barrier()  # every thread has read control before any thread writes it
-    if last:
-        tl.store(control + C_SEQ, seq + 1)
-        tl.store(control + C_FORWARD_FAILED, 0)
-        if DROP:
-            tl.store(control + C_BAD_IDS, bad_ids + tl.where(invalid_status == 0, dropped, 0))
-
-
-def _route_sizes(num_tokens: int, top_k: int, world: int, drop: bool) -> dict[str, int]:
-    """Block sizes of the route kernels: tokens per program (BT), destinations per step (WC, WS
-    for the (token, slot) one-hot), table rows per step (BB), each tile ≤ 2·TILE_ELEMENTS."""
-    tile = 2 * TILE_ELEMENTS
-    kp, wp = _pow2(top_k), _pow2(world)
-    wc = _floor_pow2(min(wp, ROUTE_BITS, 64))
-    bt = _floor_pow2(min(ROUTE_BLOCK, _pow2(num_tokens), tile // wc))
-    if drop:
-        bt = min(bt, _floor_pow2(tile // (kp * kp)))
-    num_blocks = max(1, triton.cdiv(num_tokens, bt))
-    return dict(
-        KP=kp,
-        WP=wp,
-        WC=wc,
-        WS=_floor_pow2(min(wc, tile // (bt * kp))),
-        BT=bt,
-        BB=_floor_pow2(min(_pow2(num_blocks), tile // wc)),
-        num_blocks=num_blocks,
-    )
+        rows += tl.sum(member.to(tl.int32), axis=0)
+    # token_of past each destination's count
+    for start in range(0, num_tokens, BT):
+        s = start + tl.arange(0, BT)
+        past = (s[:, None] < num_tokens) & (s[:, None] >= rows[None, :]) & (w[None, :] < world)
+        tl.store(token_of + w[None, :].to(tl.int64) * num_tokens + s[:, None], -1, mask=past)
+    slots = tl.sum(slot_lanes, axis=0)  # [WP]
+    dropped = tl.sum(dropped_lanes, axis=0)
+    if DROP:  # invalid ids fail this rank's forward (as the header's status) if asked to
+        status = tl.where(
+            (dropped > 0) & (invalid_status != 0) & (status == 0), invalid_status, status
+        )
+    f = tl.arange(0, HINTS)[None, :]  # [1, HEADER_INTS]
+    values = tl.zeros([WP, HINTS], dtype=tl.int32)
+    values = tl.where(f == F_STATUS, status, values)
+    values = tl.where(f == F_SEQ, seq, values)
+    values = tl.where(f == F_FINGERPRINT, fingerprint, values)
+    values = tl.where(f == F_LAYER, layer, values)
+    values = tl.where(f == F_PHASE, phase, values)
+    values = tl.where(f == F_TOP_K, top_k_field, values)
+    values = tl.where(f == F_NUM_CHUNKS, num_chunks, values)
+    values = tl.where(f == F_NUM_ROWS, rows[:, None], values)
+    values = tl.where(f == F_NUM_SLOTS, slots[:, None], values)
+    tl.store(header + w[:, None] * header_stride + f, values, mask=w[:, None] < world)
+    tl.store(control + C_SEQ, seq + 1)
+    tl.store(control + C_FORWARD_FAILED, 0)
+    if DROP:
+        tl.store(control + C_BAD_IDS, bad_ids + tl.where(invalid_status == 0, dropped, 0))
 
 
 def route_tokens(
@@ -395,47 +287,28 @@ def route_tokens(
     header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
     invalid_status: int = 0,
 ) -> Route:
-    """Destinations and chunk rows of every token, and the header to each rank (two launches,
-    each a program per block of tokens: counts per block, then placement; no atomics, so
-    deterministic; ``torch_ops.route_tokens`` is the spec)."""
+    """Destinations and chunk rows of every token, and the header to each rank (one launch;
+    ``torch_ops.route_tokens`` is the spec)."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     dest_slot = torch.empty(num_tokens, world_size, dtype=torch.int32, device=device)
     token_of = torch.empty(world_size, num_tokens, dtype=torch.int32, device=device)
-    sizes = _route_sizes(num_tokens, top_k, world_size, drop_invalid)
-    num_blocks = sizes.pop("num_blocks")
-    wp, bb, ws = sizes["WP"], sizes.pop("BB"), sizes.pop("WS")
-    table = torch.empty(num_blocks, 2 * wp + 1, dtype=torch.int32, device=device)
-    warps = 8 if sizes["BT"] * max(sizes["WC"], sizes["KP"] * sizes["KP"]) > 4096 else 4
-    _route_count_kernel[(num_blocks,)](
+    kp, wp = _pow2(top_k), _pow2(world_size)
+    # one program walks all tokens: big steps (fewer serial iterations), 8 warps to hold them
+    block = max(8, min(256, 2 * TILE_ELEMENTS // (kp * max(kp, wp)), _pow2(num_tokens)))
+    _route_kernel[(1,)](
         topk_ids,
         topk_ids.stride(0),
         topk_ids.stride(1),
-        ids,
-        table,
-        table.stride(0),
-        num_tokens,
-        num_experts,
-        experts_per_rank,
-        top_k=top_k,
-        world=world_size,
-        WS=ws,
-        DROP=drop_invalid,
-        num_warps=warps,
-        **sizes,
-    )
-    _route_place_kernel[(num_blocks,)](
         ids,
         dest_slot,
         token_of,
         header_out,
         header_out.stride(0),
         control,
-        table,
-        table.stride(0),
         num_tokens,
-        num_blocks,
+        num_experts,
         experts_per_rank,
         fields.status,
         fields.fingerprint,
@@ -446,10 +319,11 @@ def route_tokens(
         invalid_status,
         top_k=top_k,
         world=world_size,
-        BB=bb,
+        KP=kp,
+        WP=wp,
+        BT=_pow2(block),
         DROP=drop_invalid,
-        num_warps=warps,
-        **sizes,
+        num_warps=8,
     )
     return Route(ids, dest_slot, token_of, header_out)
 
@@ -664,61 +538,33 @@ def _group_count_kernel(
     topk_ids,  # [R, K] int32
     ids_stride_r,
     ids_stride_k,
-    table,  # [3, NB, LP] int32: counts, counts of lower experts, (scan) earlier blocks' counts
-    num_blocks,
+    block_counts,  # [NB, LP] int32: served pairs per (block of pairs, local expert)
     num_pairs,
     top_k,
     local_offset,
     num_local,
     LP: tl.constexpr,  # num_local padded to a power of two
     BP: tl.constexpr,  # pairs per block
+    SUB: tl.constexpr,  # pairs per step (SUB·LP bounds the one-hot tile)
 ):
-    """Program per block of pairs: its served pairs per local expert, and per expert those of
-    lower experts (an exclusive cumsum over experts)."""
     block = tl.program_id(0)
     e = tl.arange(0, LP)
-    pairs = block * BP + tl.arange(0, BP)
-    expert, served = _served_experts(
-        topk_ids, ids_stride_r, ids_stride_k, pairs, num_pairs, top_k, local_offset, num_local
-    )
-    one_hot = served[:, None] & (expert[:, None] == e[None, :])  # [BP, LP]
-    counts = tl.sum(one_hot.to(tl.int32), axis=0)
-    row = table + block * LP + e
-    tl.store(row, counts)
-    tl.store(row + num_blocks * LP, tl.cumsum(counts, 0) - counts)
-
-
-@triton.jit
-def _group_scan_kernel(
-    table,  # [3, NB, LP] int32
-    offsets,  # [L + 1] int32
-    num_blocks,
-    num_local,
-    num_rows,  # N
-    LP: tl.constexpr,
-    EC: tl.constexpr,  # experts per program
-    BB: tl.constexpr,  # blocks per step
-):
-    """Program per EC experts: per block, its pairs of earlier blocks per expert (an exclusive
-    cumsum over blocks); each expert's start is the pairs of lower experts over all blocks plus
-    the totals of lower experts in this program's range; ``offsets`` are the clamped ends."""
-    first_expert = tl.program_id(0) * EC
-    e = first_expert + tl.arange(0, EC)
-    totals = tl.zeros([EC], dtype=tl.int32)
-    lower = tl.zeros([BB], dtype=tl.int32)  # pairs of experts below first_expert, per lane
-    for first in range(0, num_blocks, BB):
-        b = first + tl.arange(0, BB)
-        ok = b < num_blocks
-        at = table + b[:, None] * LP + e[None, :]  # [BB, EC]
-        counts = tl.load(at, mask=ok[:, None], other=0)
-        before = tl.cumsum(counts, axis=0) - counts + totals[None, :]
-        tl.store(at + 2 * num_blocks * LP, before, mask=ok[:, None])
-        totals += tl.sum(counts, axis=0)
-        lower += tl.load(table + (num_blocks + b) * LP + first_expert, mask=ok, other=0)
-    ends = tl.sum(lower, axis=0) + tl.cumsum(totals, 0)
-    tl.store(offsets + e + 1, tl.minimum(ends, num_rows), mask=e < num_local)
-    if first_expert == 0:
-        tl.store(offsets, 0)
+    counts = tl.zeros([LP], dtype=tl.int32)
+    for step in range(0, BP, SUB):
+        pairs = block * BP + step + tl.arange(0, SUB)
+        expert, served = _served_experts(
+            topk_ids,
+            ids_stride_r,
+            ids_stride_k,
+            pairs,
+            num_pairs,
+            top_k,
+            local_offset,
+            num_local,
+        )
+        one_hot = served[:, None] & (expert[:, None] == e[None, :])  # [SUB, LP]
+        counts += tl.sum(one_hot.to(tl.int32), axis=0)
+    tl.store(block_counts + block * LP + e, counts)
 
 
 @triton.jit
@@ -726,37 +572,59 @@ def _group_place_kernel(
     topk_ids,  # [R, K] int32
     ids_stride_r,
     ids_stride_k,
-    table,  # [3, NB, LP] int32 (the scan's)
+    block_counts,  # [NB, LP] int32
     positions,  # [R, K] int32, contiguous: grouped row of each pair, -1 = none
     source_pair,  # [N] int32: the pair at each grouped row (rows < offsets[L])
-    offsets,  # [L + 1] int32 (the scan's)
-    num_blocks,
+    offsets,  # [L + 1] int32
     num_pairs,
+    num_blocks,
     top_k,
     local_offset,
     num_local,
     num_rows,  # N
     LP: tl.constexpr,
     BP: tl.constexpr,
+    SUB: tl.constexpr,
+    BB: tl.constexpr,  # blocks per step over block_counts
 ):
-    """Program per block of pairs: a pair's grouped row is its expert's start, plus the pairs
-    of earlier blocks (the scan's table), plus the earlier pairs of this block for the same
-    expert ([BP, BP] comparison). An expert's start past N is read as N (``offsets`` is
-    clamped): its pairs are dropped either way."""
+    """Program per block of pairs: expert starts (all blocks' counts) plus the pairs of earlier
+    blocks give each expert's first row here; a running one-hot cumsum ranks the pairs within
+    the block, in (row, slot) order."""
     block = tl.program_id(0)
-    i = tl.arange(0, BP)
-    pairs = block * BP + i
-    expert, served = _served_experts(
-        topk_ids, ids_stride_r, ids_stride_k, pairs, num_pairs, top_k, local_offset, num_local
-    )
-    same = (expert[:, None] == expert[None, :]) & served[None, :] & (i[None, :] < i[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)  # [BP]
-    start = tl.load(offsets + expert, mask=served, other=0)
-    before = tl.load(table + (2 * num_blocks + block) * LP + expert, mask=served, other=0)
-    position = start + before + rank
-    placed = served & (position < num_rows)
-    tl.store(positions + pairs, tl.where(placed, position, -1), mask=pairs < num_pairs)
-    tl.store(source_pair + position, pairs, mask=placed)
+    e = tl.arange(0, LP)
+    totals = tl.zeros([LP], dtype=tl.int32)
+    before = tl.zeros([LP], dtype=tl.int32)
+    for first in range(0, num_blocks, BB):
+        b = first + tl.arange(0, BB)
+        counts = tl.load(
+            block_counts + b[:, None] * LP + e[None, :], mask=b[:, None] < num_blocks, other=0
+        )
+        totals += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where(b[:, None] < block, counts, 0), axis=0)
+    ends = tl.cumsum(totals, 0)
+    if block == 0:
+        tl.store(offsets + e + 1, tl.minimum(ends, num_rows), mask=e < num_local)
+        tl.store(offsets, 0)
+    base = ends - totals + before  # [LP] next grouped row of each expert in this block
+    for step in range(0, BP, SUB):
+        pairs = block * BP + step + tl.arange(0, SUB)
+        expert, served = _served_experts(
+            topk_ids,
+            ids_stride_r,
+            ids_stride_k,
+            pairs,
+            num_pairs,
+            top_k,
+            local_offset,
+            num_local,
+        )
+        one_hot = (served[:, None] & (expert[:, None] == e[None, :])).to(tl.int32)  # [SUB, LP]
+        rank = tl.cumsum(one_hot, axis=0) - 1 + base[None, :]
+        position = tl.sum(tl.where(one_hot != 0, rank, 0), axis=1)  # [SUB]
+        base += tl.sum(one_hot, axis=0)
+        placed = served & (position < num_rows)
+        tl.store(positions + pairs, tl.where(placed, position, -1), mask=pairs < num_pairs)
+        tl.store(source_pair + position, pairs, mask=placed)
 
 
 @triton.jit
@@ -775,7 +643,6 @@ def _group_gather_kernel(
     out_hidden,  # [N, H], contiguous
     out_weights,  # [N] fp32
     out_ids,  # [N] int32
-    num_rows,  # N
     hidden_size,
     out_rows,  # H in units of OUT_UNIT elements
     top_k,
@@ -783,16 +650,13 @@ def _group_gather_kernel(
     POISON: tl.constexpr,
     UNIT: tl.constexpr,
     OUT_UNIT: tl.constexpr,
-    RB: tl.constexpr,  # grouped rows per program
     BLOCK_H: tl.constexpr,
 ):
-    """Program (RB grouped rows, block of H): copies its source rows' blocks; padding rows
-    (past offsets[L]) get filler weight and id -1, and NaN hidden in poison mode (else
-    untouched)."""
-    row = tl.program_id(0) * RB + tl.arange(0, RB)
+    """Program (grouped row, block of H): copies its source row's block; padding rows (past
+    offsets[L]) get filler weight and id -1, and NaN hidden in poison mode (else untouched)."""
+    row = tl.program_id(0)
     block = tl.program_id(1)
-    in_rows = row < num_rows
-    valid = in_rows & (row < tl.load(offsets + num_local))
+    valid = row < tl.load(offsets + num_local)
     pair = tl.load(source_pair + row, mask=valid, other=0)
     src = pair // top_k
     slot = pair - src * top_k
@@ -800,16 +664,13 @@ def _group_gather_kernel(
     h = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden_size
     values = tl.load(
-        hidden + src64[:, None] * hidden_rows * UNIT + h[None, :] * hidden_stride_h,
-        mask=valid[:, None] & in_row[None, :],
-        other=0.0,
+        hidden + src64 * hidden_rows * UNIT + h * hidden_stride_h, mask=in_row & valid, other=0.0
     )
-    dest = out_hidden + row.to(tl.int64)[:, None] * out_rows * OUT_UNIT + h[None, :]
+    dest = out_hidden + row.to(tl.int64) * out_rows * OUT_UNIT + h
     if POISON:
-        values = tl.where(valid[:, None], values.to(tl.float32), float("nan"))
-        tl.store(dest, values, mask=in_rows[:, None] & in_row[None, :])
+        tl.store(dest, tl.where(valid, values.to(tl.float32), float("nan")), mask=in_row)
     else:
-        tl.store(dest, values, mask=valid[:, None] & in_row[None, :])
+        tl.store(dest, values, mask=in_row & valid)
     if block == 0:
         weight = tl.load(
             topk_weights + src64 * weights_stride_r + slot * weights_stride_k, mask=valid, other=0
@@ -818,22 +679,8 @@ def _group_gather_kernel(
         weight = weight.to(tl.float32)
         if POISON:
             weight = tl.where(valid, weight, float("nan"))
-        tl.store(out_weights + row, weight, mask=in_rows)
-        tl.store(out_ids + row, tl.where(valid, expert, -1), mask=in_rows)
-
-
-def _group_sizes(num_pairs: int, num_local: int) -> dict[str, int]:
-    """Block sizes of the group kernels: pairs per block (BP; the count kernel's [BP, LP]
-    one-hot ≤ 2·TILE_ELEMENTS, the place kernel's [BP, BP] ≤ TILE_ELEMENTS), experts (EC) and
-    blocks (BB) per scan step."""
-    lp = _pow2(num_local)
-    bp = _floor_pow2(min(GROUP_BLOCK, 2 * TILE_ELEMENTS // lp, _pow2(num_pairs)))
-    while bp > 1 and bp * bp > TILE_ELEMENTS:
-        bp //= 2
-    num_blocks = triton.cdiv(num_pairs, bp)
-    ec = _floor_pow2(min(lp, TILE_ELEMENTS // _pow2(num_blocks)))
-    bb = _floor_pow2(min(_pow2(num_blocks), TILE_ELEMENTS // ec))
-    return dict(LP=lp, BP=bp, EC=ec, BB=bb, num_blocks=num_blocks)
+        tl.store(out_weights + row, weight)
+        tl.store(out_ids + row, tl.where(valid, expert, -1))
 
 
 def group_rows(
@@ -847,17 +694,17 @@ def group_rows(
     poison: bool = False,
 ) -> Grouped:
     """Counting sort of the served (row, slot) pairs by local expert, stable in (row, slot):
-    four launches (per-block counts, a scan of them over blocks, placement, row gather);
-    ``torch_ops.group_rows`` is the spec. Padding hidden rows are left unwritten unless
-    ``poison`` (then NaN)."""
+    three launches (per-block counts, placement, row gather); ``torch_ops.group_rows`` is the
+    spec. Padding hidden rows are left unwritten unless ``poison`` (then NaN)."""
     num_src, top_k = topk_ids.shape
     hidden_size = hidden.size(1)
     num_pairs = num_src * top_k
     device = hidden.device
-    sizes = _group_sizes(num_pairs, num_local)
-    num_blocks = sizes.pop("num_blocks")
-    lp, bp, ec, bb = sizes["LP"], sizes["BP"], sizes["EC"], sizes["BB"]
-    table = torch.empty(3, max(num_blocks, 1), lp, dtype=torch.int32, device=device)
+    lp = _pow2(num_local)
+    sub = max(1, min(TILE_ELEMENTS // lp, _pow2(num_pairs)))
+    pairs_per_block = max(sub, min(1024, _pow2(-(-num_pairs // 128))))
+    num_blocks = triton.cdiv(num_pairs, pairs_per_block)
+    block_counts = torch.empty(max(num_blocks, 1), lp, dtype=torch.int32, device=device)
     positions = torch.empty(num_src, top_k, dtype=torch.int32, device=device)
     source_pair = torch.empty(max(num_rows, 1), dtype=torch.int32, device=device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=device)
@@ -865,36 +712,31 @@ def group_rows(
     out_weights = torch.empty(num_rows, dtype=torch.float32, device=device)
     out_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1))
-    pair_args = (num_pairs, top_k, local_offset, num_local)
+    sizes = dict(LP=lp, BP=pairs_per_block, SUB=sub)
     if num_blocks:
-        warps = 8 if bp * lp > 4096 else 4
         _group_count_kernel[(num_blocks,)](
-            *ids_args, table, num_blocks, *pair_args, LP=lp, BP=bp, num_warps=warps
+            *ids_args, block_counts, num_pairs, top_k, local_offset, num_local, **sizes
         )
-    _group_scan_kernel[(triton.cdiv(lp, ec),)](
-        table, offsets, num_blocks, num_local, num_rows, LP=lp, EC=ec, BB=bb
+    _group_place_kernel[(max(num_blocks, 1),)](
+        *ids_args,
+        block_counts,
+        positions,
+        source_pair,
+        offsets,
+        num_pairs,
+        num_blocks,
+        top_k,
+        local_offset,
+        num_local,
+        num_rows,
+        BB=max(1, min(64, TILE_ELEMENTS // lp)),
+        **sizes,
     )
-    if num_blocks:
-        _group_place_kernel[(num_blocks,)](
-            *ids_args,
-            table,
-            positions,
-            source_pair,
-            offsets,
-            num_blocks,
-            *pair_args,
-            num_rows,
-            LP=lp,
-            BP=bp,
-        )
     if num_rows:
-        block, _ = _row_block(hidden_size, hidden.element_size())
-        rows_per_program = _floor_pow2(min(GROUP_GATHER_ROWS, MAX_ROW_BLOCK * 4 // block))
-        tile_bytes = rows_per_program * block * hidden.element_size()
+        block, warps = _row_block(hidden_size, hidden.element_size())
         hidden_rows, unit = _stride_units(hidden.stride(0), hidden.element_size())
         out_rows, out_unit = _stride_units(hidden_size, hidden.element_size())
-        grid = (triton.cdiv(num_rows, rows_per_program), triton.cdiv(hidden_size, block))
-        _group_gather_kernel[grid](
+        _group_gather_kernel[(num_rows, triton.cdiv(hidden_size, block))](
             hidden,
             hidden_rows,
             hidden.stride(1),
@@ -907,7 +749,6 @@ def group_rows(
             out_hidden,
             out_weights,
             out_ids,
-            num_rows,
             hidden_size,
             out_rows,
             top_k,
@@ -915,9 +756,8 @@ def group_rows(
             POISON=poison,
             UNIT=unit,
             OUT_UNIT=out_unit,
-            RB=rows_per_program,
             BLOCK_H=block,
-            num_warps=max(1, min(8, tile_bytes // 512)),
+            num_warps=warps,
         )
     return Grouped(out_hidden, out_weights, out_ids, positions, offsets)
 
