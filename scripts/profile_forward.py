@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from ep_runtime import EPMoE, MoEConfig
-from ep_runtime.bench.layer import BF16, POINTS, inputs
+from ep_runtime.bench.layer import POINTS, build_layer, inputs
 
 
 def main() -> int:
@@ -29,15 +28,7 @@ def main() -> int:
     args = parser.parse_args()
     point, device = POINTS[args.point], torch.device("cuda", torch.cuda.current_device())
     w13, w2, x, ids, weights = inputs(point, device)
-    config = MoEConfig(
-        point.num_experts,
-        point.top_k,
-        point.hidden,
-        point.intermediate,
-        dtype=BF16,
-        max_tokens_per_rank=point.tokens,
-    )
-    layer = EPMoE(config, experts="grouped_mm", layout=point.layout, mode=point.mode, device=device)
+    layer = build_layer(point, device)
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)

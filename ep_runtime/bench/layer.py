@@ -124,8 +124,8 @@ def inputs(point: Point, device: torch.device, seed: int = 0):
     return w13, w2, x, ids, weights
 
 
-def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, dict]:
-    w13, w2, x, ids, weights = inputs(point, device)
+def build_layer(point: Point, device: torch.device) -> EPMoE:
+    """The layer of one point: ``torch_a2a`` + ``grouped_mm``, world size 1."""
     config = MoEConfig(
         point.num_experts,
         point.top_k,
@@ -134,7 +134,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         dtype=BF16,
         max_tokens_per_rank=point.tokens,
     )
-    layer = EPMoE(
+    return EPMoE(
         config,
         dispatcher="torch_a2a",
         experts="grouped_mm",
@@ -142,6 +142,11 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         mode=point.mode,
         device=device,
     )
+
+
+def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, dict]:
+    w13, w2, x, ids, weights = inputs(point, device)
+    layer = build_layer(point, device)
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)

@@ -25,7 +25,8 @@ import torch
 from ep_runtime.comm import Comm
 from ep_runtime.dispatch.peers import DISPATCHER_NOTICE, GroupUnusableError, PeerIdentity, Peers
 from ep_runtime.dispatch.protocol import ForwardProtocol, ForwardStatus, Outcome, Phase, Recorded
-from ep_runtime.kernels import HeaderFields
+from ep_runtime.kernels import HeaderFields, Route, route_tokens
+from ep_runtime.kernels.layout import HEADER_INTS
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.registry import Registry
 from ep_runtime.types import (
@@ -276,6 +277,25 @@ class Dispatcher(abc.ABC):
                 self.peers.post(DISPATCHER_NOTICE, reason)
                 self.peers.mark_unusable(f"this rank {reason}")
             raise
+
+    def _route(self, topk_ids: torch.Tensor, fields: HeaderFields) -> tuple[Route, torch.Tensor]:
+        """Every transport's first step: destinations of this rank's tokens, ids cast and
+        checked, and the header; returns (route, ``[2, W, HEADER_INTS]`` int32 header pair with
+        row 0 the header sent to each rank and row 1 where the received headers land)."""
+        world = self.comm.world_size
+        header_pair = torch.empty(2, world, HEADER_INTS, dtype=torch.int32, device=topk_ids.device)
+        route = route_tokens(
+            topk_ids,
+            num_experts=self.setup.num_experts,
+            experts_per_rank=self.placement.num_local_experts,
+            world_size=world,
+            drop_invalid=True,
+            control=self.protocol.control,
+            fields=fields,
+            header_out=header_pair[0],
+            invalid_status=self.protocol.invalid_ids_status,
+        )
+        return route, header_pair
 
     def _no_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         device, top_k = self.comm.device, self.setup.max_top_k

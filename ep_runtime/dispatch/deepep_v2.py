@@ -41,8 +41,8 @@ from ep_runtime.dispatch.base import (
 from ep_runtime.dispatch.deepep_environment import default_num_sms, prepare_gin
 from ep_runtime.dispatch.nccl_probe import mapped_libnccl_paths, probe_library
 from ep_runtime.dispatch.protocol import Outcome
-from ep_runtime.kernels import HeaderFields, route_tokens
-from ep_runtime.kernels.layout import HEADER_INTS, Field
+from ep_runtime.kernels import HeaderFields
+from ep_runtime.kernels.layout import Field
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 # JIT compilation on one rank's first call stalls the others: vLLM uses 1800 s for the same reason.
@@ -194,19 +194,7 @@ class DeepEPV2Dispatcher(Dispatcher):
         topk_weights: torch.Tensor,  # [T, K]
         fields: HeaderFields,
     ) -> DeepEPPlan:
-        world = self.comm.world_size
-        header_pair = torch.empty(2, world, HEADER_INTS, dtype=torch.int32, device=x.device)
-        route = route_tokens(
-            topk_ids,
-            num_experts=self.setup.num_experts,
-            experts_per_rank=self.num_local,
-            world_size=world,
-            drop_invalid=True,
-            control=self.protocol.control,
-            fields=fields,
-            header_out=header_pair[0],
-            invalid_status=self.protocol.invalid_ids_status,
-        )
+        route, header_pair = self._route(topk_ids, fields)
         return DeepEPPlan(x, route.ids, topk_weights, topk_ids.size(1), header_pair)
 
     def _send(self, plan: DeepEPPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:

@@ -27,12 +27,10 @@ from ep_runtime.kernels import (
     local_ids,
     pack_rows,
     read_chunk_headers,
-    route_tokens,
     sum_rows,
     write_chunk_headers,
 )
 from ep_runtime.kernels.layout import (
-    HEADER_INTS,
     ChunkLayout,
     Field,
     RowFormat,
@@ -81,18 +79,7 @@ class RowDispatcher(Dispatcher):
         send buffer has room for the most rows this rank can send; rows past its chunks are
         filler (ids -1)."""
         world = self.comm.world_size
-        header_pair = torch.empty(2, world, HEADER_INTS, dtype=torch.int32, device=x.device)
-        route = route_tokens(
-            topk_ids,
-            num_experts=self.setup.num_experts,
-            experts_per_rank=self.num_local,
-            world_size=world,
-            drop_invalid=True,
-            control=self.protocol.control,
-            fields=fields,
-            header_out=header_pair[0],
-            invalid_status=self.protocol.invalid_ids_status,
-        )
+        route, header_pair = self._route(topk_ids, fields)
         top_k = topk_ids.size(1)
         if self.setup.mode is DispatchMode.EXACT:
             bound = world * self.chunks.header_rows + x.size(0) * min(top_k, world)
