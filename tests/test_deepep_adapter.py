@@ -8,6 +8,7 @@ tests/multigpu/test_deepep_real.py, which skips (with the reason) where deep_ep 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from functools import partial
@@ -447,3 +448,46 @@ def test_imitation_is_adversarial_where_deepep_is_unspecified():
         buffer.dispatch(x[:0], ids[:0], weights[:0], num_experts=8, num_sms=24)
     with pytest.raises(AssertionError):
         buffer.dispatch(x, ids.to(torch.int32), weights, num_experts=8, num_sms=24)
+
+
+# ------------------------------------------------------------------ the first-dispatch probe
+@pytest.fixture
+def fresh_probe():
+    deepep_v2.first_dispatch_problem.cache_clear()
+    yield
+    deepep_v2.first_dispatch_problem.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+            "killed a probe process with SIGSEGV",
+        ),
+        (
+            "import sys; sys.exit('no GIN for you')",
+            "failed in a probe process (exit 1: no GIN for you)",
+        ),
+        ("print('dispatched')", None),
+    ],
+)
+def test_first_dispatch_probe_refuses_a_crashing_deepep(monkeypatch, fresh_probe, script, expected):
+    """The probe's verdict (a stand-in script plays DeepEP's first dispatch): a crash or an
+    error refuses the backend, naming what happened; a clean run does not."""
+    monkeypatch.setattr(deepep_v2, "PROBE_COMMAND", [sys.executable, "-c", script])
+    monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())  # DeepEP "installed"
+    nccl_group = Comm(object(), 0, 1, torch.device("cuda", 0))  # stands in for an NCCL group
+    monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
+    setup = dataclasses.replace(_cuda_setup(1), comm=nccl_group)
+    reason = deepep_v2.DeepEPV2Dispatcher.unavailable_reason(setup)
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason and "docs/deepep.md" in reason
+
+
+def test_first_dispatch_probe_can_be_skipped(monkeypatch, fresh_probe):
+    monkeypatch.setenv(deepep_v2.PROBE_ENV, "0")
+    monkeypatch.setattr(deepep_v2, "PROBE_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
+    assert deepep_v2.first_dispatch_problem(0) is None

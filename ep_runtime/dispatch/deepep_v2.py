@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -72,6 +76,57 @@ def load_deep_ep() -> DeepEPLibrary:
             f"deep_ep {version} has no ElasticBuffer (a V1 build; DeepEP V2 >= 2.0 is needed)"
         )
     return DeepEPLibrary(f"deep_ep {version}", deep_ep.ElasticBuffer, deep_ep.topk_idx_t)
+
+
+PROBE_ENV = "EP_RUNTIME_DEEPEP_PROBE"  # "0": trust DeepEP's first dispatch without trying it
+PROBE_TIMEOUT_S = 600  # the probe's dispatch JIT-compiles DeepEP's kernels
+# A world of one on one GPU: build a small ElasticBuffer as the adapter does, dispatch one token
+# and combine it. Run in a child process, so a crash there refuses the backend instead of
+# killing the rank.
+PROBE_SCRIPT = """
+import os, tempfile, torch, torch.distributed as dist, deep_ep
+torch.cuda.set_device(0)
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+dist.all_reduce(torch.zeros(1, device="cuda"))
+buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=256,
+    num_topk=2, allow_hybrid_mode=False, allow_multiple_reduction=False, explicitly_destroy=True)
+ids = torch.tensor([[0, -1]], dtype=deep_ep.topk_idx_t, device="cuda")
+recv = buffer.dispatch(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda"), topk_idx=ids,
+    topk_weights=torch.ones(1, 2, device="cuda"), num_experts=2, num_max_tokens_per_rank=8,
+    expert_alignment=1, num_sms=2, do_cpu_sync=True, do_expand=False)
+buffer.combine(recv[0], recv[3])
+buffer.destroy()
+dist.destroy_process_group()
+"""
+PROBE_COMMAND = [sys.executable, "-c", PROBE_SCRIPT]
+
+
+@functools.cache
+def first_dispatch_problem(device_index: int) -> str | None:
+    """Why DeepEP's first dispatch cannot be trusted here, or None. On the H200 test machine
+    a source build imported and constructed its buffer, then its first dispatch crashed the
+    process on the host, inside its JIT (docs/deepep.md): a rank must not find that out in the
+    middle of a forward. So it is tried once per process and GPU, in a child process."""
+    if os.environ.get(PROBE_ENV) == "0":
+        return None
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(device_index)}
+    try:
+        done = subprocess.run(
+            PROBE_COMMAND, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return f"DeepEP's first dispatch did not finish in {PROBE_TIMEOUT_S} s in a probe process"
+    if done.returncode == 0:
+        return None
+    hint = f"(docs/deepep.md; {PROBE_ENV}=0 skips this probe)"
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return f"DeepEP's first dispatch killed a probe process with {name} {hint}"
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return (
+        f"DeepEP's first dispatch failed in a probe process (exit {done.returncode}: {last}) {hint}"
+    )
 
 
 @functools.cache
@@ -149,6 +204,9 @@ class DeepEPV2Dispatcher(Dispatcher):
                 f"a group of {comm.world_size} ranks needs >= 2 GPUs, "
                 f"this host has {torch.cuda.device_count()}"
             )
+        if not problems:  # everything DeepEP needs is here: does its first dispatch survive?
+            problem = first_dispatch_problem(setup.device.index or 0)
+            problems += [problem] if problem else []
         return problems
 
     @classmethod
