@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_runtime import BackendUnavailableError, EPMoE, MoEConfig, reference_moe
-from ep_runtime.dispatch.deepep_v2 import deep_ep_problems
+from ep_runtime.dispatch.deepep_v2 import deep_ep_problems, first_dispatch_problem
 from ep_runtime.dispatch.nccl_probe import describe_machine
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -77,7 +77,10 @@ def main() -> int:
         return 2
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"nccl_probe: {describe_machine()}")
-    problems = deep_ep_problems()
+    problems = list(deep_ep_problems())
+    if not problems:  # installed: the adapter still tries a first dispatch before trusting it
+        probe = first_dispatch_problem(torch.cuda.current_device())
+        problems += [probe] if probe else []
     with tempfile.NamedTemporaryFile() as rendezvous:
         dist.init_process_group(
             "nccl", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
