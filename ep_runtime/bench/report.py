@@ -26,8 +26,9 @@ CONVENTIONS = (
     "reference point, not a bound; for the layer, base/phase = layer_floor / layer time",
     "layer_graph = the layer replayed as a captured CUDA graph (capacity mode on CUDA)",
     "max/mean = a rank's busiest expert over its mean expert load, in (token, expert) pairs",
-    "rel err = max over the validated tokens of |out - ref| / |ref| against reference_moe (fp64); "
-    "ok = within the tolerance and the phase-by-phase output equals the layer's bitwise",
+    "rel err = max over the validated tokens of |out - ref| / sum_k |w_k| |FFN_k(x)| against "
+    "reference_moe (fp64; the size of the summed terms, so cancelling terms are judged fairly); "
+    "ok = within the tolerance and the phase-timed forward's output equals the layer's bitwise",
 )
 LAYER_FLOOR_PARTS = ("a2a_dispatch", "dense_gemm", "a2a_combine")
 LAYER_FLOOR = "layer_floor"
