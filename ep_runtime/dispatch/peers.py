@@ -12,7 +12,6 @@ unusable and every later call says why.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -103,24 +102,6 @@ class _ExitNotices:
 def _install_exit_notices() -> None:
     if not isinstance(sys.excepthook, _ExitNotices):
         sys.excepthook = _ExitNotices(sys.excepthook)
-        atexit.register(_release_gloo_groups)
-
-
-def _release_gloo_groups() -> None:
-    """At exit, destroy the gloo groups open dispatchers ran on (the default group last): a
-    gloo group left to the interpreter's teardown can abort the process (SIGABRT, "terminate
-    called without an active exception") after a peer died or left."""
-    if not dist.is_initialized():
-        return
-    groups = {}
-    for peers in list(_LIVE):
-        with contextlib.suppress(Exception):  # a group destroyed already has no backend
-            if "gloo" in peers.comm.backend:
-                groups[id(peers.comm.group)] = peers.comm.group
-    world = dist.group.WORLD
-    for group in sorted(groups.values(), key=lambda g: g is world):
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(group)
 
 
 class Peers:

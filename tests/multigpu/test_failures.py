@@ -203,8 +203,10 @@ def test_a_dying_rank_is_named(world, mode, layout, scenario) -> None:
     reactions, exit_codes, errors = run_dying_group(world, victim, scenario, mode, layout)
     assert len(reactions) == world - 1, (reactions, exit_codes, errors)
     for rank, code in enumerate(exit_codes):
-        if rank == victim:
-            assert code == (-9 if scenario.startswith("kill") else 1), (code, errors[rank])
+        if rank == victim and scenario.startswith("kill"):
+            assert code == -9, (code, errors[rank])
+        elif rank == victim:  # its exception ends it; gloo's teardown at exit sometimes aborts
+            assert code in (1, -6) and "the application crashed" in errors[rank], (code, errors)
         else:
             assert code == 0, (rank, code, errors[rank])
     for reaction in reactions:
