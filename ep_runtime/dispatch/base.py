@@ -351,8 +351,10 @@ class Dispatcher(abc.ABC):
         return index
 
     def release_layer(self, index: int) -> None:
-        """A layer closed: peers waiting in its forwards stop waiting."""
-        self.peers.post(f"layer{index}", f"closed layer {index} (EPMoE.close())")
+        """A layer closed: peers waiting in its forwards stop waiting. (After a failure that
+        left the group out of step, the peers learn the cause instead.)"""
+        if self.peers.unusable_reason is None:
+            self.peers.post(f"layer{index}", f"closed layer {index} (EPMoE.close())")
 
     def take_recorded(self) -> Recorded:
         """Failures recorded on the device since the last call (one host read)."""

@@ -192,12 +192,14 @@ class Peers:
                 next_look = now + POLL_EVERY_S
 
     # ----------------------------------------------------------------- trouble
-    def post(self, topic: str, text: str) -> None:
-        """Leave a notice for the peers (best effort: a dead store loses it)."""
+    def post(self, topic: str, text: str, about: int | None = None) -> None:
+        """Leave a notice for the peers (best effort: a dead store loses it). ``about``: the
+        rank the notice is about, when not this one (passing on what this rank found out)."""
         if self.store is None or self.comm.world_size == 1:
             return
         try:
-            notice = json.dumps({"text": text, "time": time.time()})
+            rank = self.comm.rank if about is None else about
+            notice = json.dumps({"text": text, "time": time.time(), "rank": rank})
             self.store.set(self._key(self.comm.rank, topic), notice)
             self.store.add(f"{self.namespace}/count", 1)
         except Exception:  # a notice must never raise on the failure path
@@ -225,7 +227,7 @@ class Peers:
                 key = self._key(rank, topic)
                 if self.store.check([key]):
                     notice = json.loads(self.store.get(key))
-                    found.append((notice["time"], rank, notice["text"]))
+                    found.append((notice["time"], notice["rank"], notice["text"]))
         if not found:
             self._notices_seen = count
         return [(rank, text) for _, rank, text in sorted(found)]
@@ -261,6 +263,8 @@ class Peers:
         while settle is not None and not settle.is_completed() and time.monotonic() < deadline:
             time.sleep(0.01)
         rank, reason = found
+        if rank >= 0 and self.unusable_reason is None:  # pass it on: peers elsewhere learn it
+            self.post(DISPATCHER_NOTICE, reason, about=rank)
         self.mark_unusable(f"rank {rank} {reason}" if rank >= 0 else reason)
         self._abort_group()
         if rank < 0:

@@ -2,7 +2,8 @@
 script would be: an uncaught exception goes through ``sys.excepthook`` and ends the process.
 
 The victim dies before or inside a forward (an uncaught exception, or SIGKILL); every other rank
-runs the forward and prints one JSON line: how its forward ended and how long it took.
+runs the forward, prints one JSON line (how its forward ended and how long it took) and tears
+down as an application should (``destroy_process_group``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def main() -> None:
         ),
         flush=True,
     )
+    # an application's own teardown: left to the interpreter's exit, a gloo group whose peer
+    # died can abort the process (SIGABRT, "terminate called without an active exception")
+    layer.close()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
