@@ -28,8 +28,8 @@ Imitated (each with its source):
   ``do_zero_padding`` (test_ep.py: "its padding isn't initialized").
 - combine: bf16 only, an unweighted sum of the rows each token was sent, reduced once in fp32 at
   the source with ``allow_multiple_reduction=False``: combine.cuh:216-224;
-  buffer.hpp combine asserts bf16, ``topk_weights`` absent in the expanded layout, and
-  ``(hidden·2) % 16 == 0``.
+  buffer.hpp combine asserts bf16 and ``topk_weights`` absent in the expanded layout;
+  combine.cuh static_asserts ``hidden % 256 == 0`` (its JIT compile fails otherwise).
 - zero tokens on a rank: not imitated (DeepEP's test_ep.py always dispatches >= 1 token).
 
 Not imitated (refused): fp8 dispatch, ``allow_multiple_reduction=True``, cached handles, bias,
@@ -188,7 +188,7 @@ class ImitationElasticBuffer:
         num_tokens, hidden = x.shape
         top_k = topk_idx.size(1)
         assert x.dtype == torch.bfloat16 and x.is_contiguous(), "x: contiguous bf16"
-        assert (hidden * x.element_size()) % 16 == 0, "hidden bytes must be a multiple of 16"
+        assert hidden % 256 == 0, "combine.cuh: Invalid hidden (H % 256 != 0)"
         assert hidden == self.hidden and top_k <= self.num_topk, "buffer sized for hidden/top-k"
         assert topk_idx.dtype == self.topk_idx_dtype, f"topk_idx must be {self.topk_idx_dtype}"
         assert topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape

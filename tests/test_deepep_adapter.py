@@ -45,7 +45,7 @@ from tests.deepep_imitation import (
 )
 from tests.multigpu import checks, deepep_cases, dispatch_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
-from tests.multigpu.rank_inputs import CaseSpec
+from tests.multigpu.deepep_cases import HIDDEN, deepep_spec
 
 IMITATION = ImitationBackedDeepEP.name
 LAYOUTS = ("standard", "expanded")
@@ -76,9 +76,7 @@ def imitation_pool():
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts, activation):
-    spec = CaseSpec(
-        dispatcher=IMITATION, experts=experts, layout=layout, mode=mode, activation=activation
-    )
+    spec = deepep_spec(IMITATION, experts=experts, layout=layout, mode=mode, activation=activation)
     checks.run_layer_cases(imitation_pool(world_size), spec)
 
 
@@ -86,7 +84,7 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    spec = deepep_spec(IMITATION, experts="grouped_mm", layout=layout, mode=mode)
     checks.run_layer_cases(
         imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
     )
@@ -95,7 +93,7 @@ def test_edge_cases(imitation_pool, edge, layout, mode):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
+    spec = deepep_spec(IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
     checks.run_layer_cases(imitation_pool(2), spec)
 
 
@@ -103,7 +101,7 @@ def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
+    spec = deepep_spec(IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
     assert sum(imitation_pool(world_size).run_ok(dispatch_cases.check_round_trip, spec)) > 0
 
 
@@ -111,7 +109,7 @@ def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
+    spec = deepep_spec(IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
     pool = imitation_pool(world_size)
     assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
 
@@ -120,14 +118,14 @@ def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
     pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    spec = deepep_spec(IMITATION, experts="grouped_mm", layout=layout, mode=mode)
     checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
 
 
 @pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
 def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
     pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
+    spec = deepep_spec(IMITATION, experts="grouped_mm")
     run = partial(checks.run_layer_cases, pool)
     checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)
 
@@ -137,7 +135,7 @@ def _config(**changes) -> MoEConfig:
     fields = dict(
         num_experts=8,
         top_k=3,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         intermediate_size=16,
         dtype=torch.bfloat16,
         max_tokens_per_rank=6,
@@ -152,7 +150,7 @@ def _setup(mode: DispatchMode, cap: int = 6, world_size: int = 1) -> DispatchSet
     return DispatchSetup(
         comm=Comm(None, 0, world_size, torch.device("cpu")),
         num_experts=8,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         max_top_k=3,
         max_tokens_per_rank=cap,
         dtype=torch.bfloat16,
@@ -173,7 +171,7 @@ def _dispatch(dispatcher: Dispatcher, x, ids, weights, layout: TopkLayout):
 
 def _inputs(num_tokens: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, 32, generator=generator).to(torch.bfloat16)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=generator)[:3] for _ in range(num_tokens)])
     ids[0, 1] = -1
     weights = 0.25 + torch.rand(num_tokens, 3, generator=generator)
@@ -189,7 +187,7 @@ def test_buffer_is_built_as_the_design_says(mode):
         assert kwargs["allow_multiple_reduction"] is False
         assert kwargs["explicitly_destroy"] is True
         assert kwargs["num_cpu_timeout_secs"] >= 1800 and kwargs["num_gpu_timeout_secs"] >= 1800
-        assert (kwargs["hidden"], kwargs["num_topk"]) == (32, 3)
+        assert (kwargs["hidden"], kwargs["num_topk"]) == (HIDDEN, 3)
         # capacity: one JIT variant per power of two; exact: the cap itself
         assert kwargs["num_max_tokens_per_rank"] == (6 if mode is DispatchMode.EXACT else 8)
         assert kwargs["deterministic"] is (mode is DispatchMode.EXACT)
@@ -206,12 +204,14 @@ def test_capacity_checks_the_users_cap_not_the_buffers(monkeypatch):
     )
     try:
         assert layer.dispatcher.buffer.constructor_kwargs["num_max_tokens_per_rank"] == 8
-        layer.load_weights(torch.zeros(8, 32, 32, dtype=torch.bfloat16), torch.zeros(8, 32, 16))
+        layer.load_weights(
+            torch.zeros(8, 32, HIDDEN, dtype=torch.bfloat16), torch.zeros(8, HIDDEN, 16)
+        )
         x, ids, weights = _inputs(7)
         with pytest.raises(EPInputError, match="at most max_tokens_per_rank=6 rows"):
             layer(x, ids, weights)
         x, ids, weights = _inputs(6)
-        assert layer(x, ids, weights).shape == (6, 32)
+        assert layer(x, ids, weights).shape == (6, HIDDEN)
     finally:
         layer.close()
 
@@ -235,7 +235,7 @@ def test_rank_without_tokens_gets_an_empty_result(layout, mode):
         dispatched = _dispatch(dispatcher, x, ids, weights, layout)
         assert not bool((dispatched.topk_ids >= 0).any())
         out = dispatcher.combine(dispatch_cases.weighted_identity(dispatched), dispatched)
-        assert out.shape == (0, 32)
+        assert out.shape == (0, HIDDEN)
     finally:
         dispatcher.close()
 
@@ -264,7 +264,7 @@ def test_local_ids_become_global_on_rank_one_of_two():
     dispatcher.setup = DispatchSetup(
         comm=Comm(None, 1, 2, torch.device("cpu")),
         num_experts=8,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         max_top_k=3,
         max_tokens_per_rank=4,
         dtype=torch.bfloat16,
@@ -277,7 +277,7 @@ def test_local_ids_become_global_on_rank_one_of_two():
     )
     local = torch.tensor([[2, -1, 0], [-1, 3, -1], [INVALID_LOCAL_ID] * 3])
     weights = torch.tensor([[0.5, float("nan"), 0.25], [float("nan"), 1.0, 2.0], [9.0] * 3])
-    hidden = torch.zeros(3, 32, dtype=torch.bfloat16)
+    hidden = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
     _, ids, weights = dispatcher._standard(hidden, local, weights, handle)
     assert ids.dtype == torch.int32
     assert ids.tolist() == [[6, -1, 4], [-1, 7, -1], [-1, -1, -1]]
@@ -350,7 +350,7 @@ def _cuda_setup(world_size: int) -> DispatchSetup:
     return DispatchSetup(
         comm=Comm(None, 0, world_size, torch.device("cuda", 0)),
         num_experts=8,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         max_top_k=3,
         max_tokens_per_rank=4,
         dtype=torch.bfloat16,
@@ -427,7 +427,7 @@ def test_imitation_is_adversarial_where_deepep_is_unspecified():
     buffer = imitation_library().buffer_class(
         None,
         num_max_tokens_per_rank=8,
-        hidden=32,
+        hidden=HIDDEN,
         num_topk=3,
         allow_multiple_reduction=False,
         explicitly_destroy=True,
@@ -463,7 +463,7 @@ def fresh_probe():
     [
         (
             "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
-            "killed a probe process with SIGSEGV",
+            "killed a probe process with SIGSEGV (a known cause: deep_ep built with a compiler",
         ),
         (
             "import sys; sys.exit('no GIN for you')",
@@ -485,6 +485,19 @@ def test_first_dispatch_probe_refuses_a_crashing_deepep(monkeypatch, fresh_probe
         assert reason is None
     else:
         assert expected in reason and "docs/deepep.md" in reason
+
+
+@pytest.mark.parametrize("hidden", [128, 7168 + 128])
+def test_hidden_off_the_combine_step_is_refused(hidden):
+    """DeepEP V2's combine kernel does not compile for H % 256 != 0 (seen on the H200 with
+    H = 128): refused up front, naming the setting, whatever else the machine has."""
+    setup = dataclasses.replace(_setup(DispatchMode.EXACT), hidden_size=hidden)
+    reason = ImitationBackedDeepEP.unavailable_reason(setup)
+    assert reason == (
+        f"hidden_size={hidden}: DeepEP V2's combine needs a multiple of 256 "
+        "(32 lanes x 16 bytes of bf16 per step)"
+    )
+    assert ImitationBackedDeepEP.unavailable_reason(_setup(DispatchMode.EXACT)) is None
 
 
 def test_first_dispatch_probe_can_be_skipped(monkeypatch, fresh_probe):

@@ -78,6 +78,9 @@ def load_deep_ep() -> DeepEPLibrary:
     return DeepEPLibrary(f"deep_ep {version}", deep_ep.ElasticBuffer, deep_ep.topk_idx_t)
 
 
+# DeepEP V2's combine kernel moves a token's bf16 row as 32 lanes x 16 bytes per step and
+# static_asserts that H is a multiple of that (its JIT compile fails otherwise).
+COMBINE_HIDDEN_MULTIPLE = 32 * 16 // 2
 PROBE_ENV = "EP_RUNTIME_DEEPEP_PROBE"  # "0": trust DeepEP's first dispatch without trying it
 PROBE_TIMEOUT_S = 600  # the probe's dispatch JIT-compiles DeepEP's kernels
 # A world of one on one GPU: build a small ElasticBuffer as the adapter does, dispatch one token
@@ -104,10 +107,11 @@ PROBE_COMMAND = [sys.executable, "-c", PROBE_SCRIPT]
 
 @functools.cache
 def first_dispatch_problem(device_index: int) -> str | None:
-    """Why DeepEP's first dispatch cannot be trusted here, or None. On the H200 test machine
-    a source build imported and constructed its buffer, then its first dispatch crashed the
-    process on the host, inside its JIT (docs/deepep.md): a rank must not find that out in the
-    middle of a forward. So it is tried once per process and GPU, in a child process."""
+    """Why DeepEP's first dispatch cannot be trusted here, or None. A build of deep_ep that
+    carries its own static copy of libstdc++ imports and constructs its buffer, then crashes the
+    process in its first dispatch, on the host, in its JIT (docs/deepep.md): a rank must not
+    find that out in the middle of a forward. So it is tried once per process and GPU, in a
+    child process."""
     if os.environ.get(PROBE_ENV) == "0":
         return None
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(device_index)}
@@ -122,7 +126,13 @@ def first_dispatch_problem(device_index: int) -> str | None:
     hint = f"(docs/deepep.md; {PROBE_ENV}=0 skips this probe)"
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name
-        return f"DeepEP's first dispatch killed a probe process with {name} {hint}"
+        cause = (
+            " (a known cause: deep_ep built with a compiler that links libstdc++ statically;"
+            " rebuild it with the system g++)"
+            if name == "SIGSEGV"
+            else ""
+        )
+        return f"DeepEP's first dispatch killed a probe process with {name}{cause} {hint}"
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
     return (
         f"DeepEP's first dispatch failed in a probe process (exit {done.returncode}: {last}) {hint}"
@@ -212,8 +222,11 @@ class DeepEPV2Dispatcher(Dispatcher):
     @classmethod
     def unavailable_reason(cls, setup: DispatchSetup) -> str | None:
         problems = cls.environment_problems(setup)
-        if (setup.hidden_size * setup.dtype.itemsize) % 16:
-            problems.append(f"hidden_size={setup.hidden_size}: rows must be multiples of 16 bytes")
+        if setup.hidden_size % COMBINE_HIDDEN_MULTIPLE:
+            problems.append(
+                f"hidden_size={setup.hidden_size}: DeepEP V2's combine needs a multiple of "
+                f"{COMBINE_HIDDEN_MULTIPLE} (32 lanes x 16 bytes of bf16 per step)"
+            )
         return "; ".join(problems) or None
 
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:

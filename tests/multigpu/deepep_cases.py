@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from ep_runtime.dispatch.deepep_v2 import COMBINE_HIDDEN_MULTIPLE
 from tests.multigpu import dispatch_cases
 from tests.multigpu.rank_inputs import CaseSpec
+
+HIDDEN = COMBINE_HIDDEN_MULTIPLE  # the smallest H DeepEP V2's combine compiles for
+
+
+def deepep_spec(dispatcher: str, **fields) -> CaseSpec:
+    """A case DeepEP V2 (or its imitation) can serve: H a multiple of its combine's step."""
+    return CaseSpec(dispatcher=dispatcher, hidden=HIDDEN, **fields)
 
 
 def _row_keys(
