@@ -10,6 +10,8 @@
 #   layer.jsonl  its --json reports
 #   summary.md   scripts/summarize_bench.py over both .jsonl files: paste into BENCHMARKS.md
 # EP sizes above the GPU count (nvidia-smi -L) are skipped, and the summary says so.
+# deepep_v2 joins the communication points where `import deep_ep` works (docs/deepep.md: build
+# it with the system g++); on one node without GIN the adapter sets EP_DISABLE_GIN=1 itself.
 # One device command may run at most 10 minutes: run the parts in separate commands if needed
 # (--parts suite, --parts comm, --parts layer), each with its own $OUT; summarize_bench.py takes
 # the .jsonl files of several runs.
@@ -66,6 +68,9 @@ for ep in ${EP_LIST//,/ }; do
 done
 SKIP_NOTE="${SKIPPED[*]:+EP ${SKIPPED[*]} skipped: this machine has $GPUS GPU(s).}"
 
+COMM_DISPATCHERS=(torch_a2a torch_symm_mem)
+if "$PYTHON" -c 'import deep_ep' >/dev/null 2>&1; then COMM_DISPATCHERS+=(deepep_v2); fi
+
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 
@@ -98,7 +103,7 @@ note() {
   if (( ! DRY_RUN )) && [[ -n "${2:-}" ]]; then echo "$1" >> "$2"; fi
 }
 
-echo "GPUs: $GPUS; EP sizes: ${EP_SIZES[*]:-none}; parts: $PARTS; OUT: $OUT"
+echo "GPUs: $GPUS; EP sizes: ${EP_SIZES[*]:-none}; parts: $PARTS; dispatchers: ${COMM_DISPATCHERS[*]}; OUT: $OUT"
 if [[ -n "$SKIP_NOTE" ]]; then echo "$SKIP_NOTE"; fi
 if (( ! DRY_RUN )); then
   mkdir -p "$OUT"
@@ -124,7 +129,7 @@ fi
 if has_part comm; then
   for ep in "${EP_SIZES[@]}"; do
     for tokens in ${TOKENS_LIST//,/ }; do
-      for dispatcher in torch_a2a torch_symm_mem; do
+      for dispatcher in "${COMM_DISPATCHERS[@]}"; do
         for mode in exact capacity; do
           launch "$OUT/comm.log" "$SCRATCH/comm_ep${ep}_t${tokens}_${dispatcher}_${mode}.json" \
             --dp "$ep" --tokens "$tokens" --dispatcher "$dispatcher" --mode "$mode"

@@ -39,7 +39,7 @@ def nccl_pool(pool_factory):
     def get(world_size: int):
         available = torch.cuda.device_count()
         if available < world_size:
-            pytest.skip(f"{world_size} ranks need {world_size} GPUs, this host has {available}")
+            pytest.skip(f"{world_size} ranks need {world_size} GPUs, found {available}")
         pool = pool_factory(world_size)
         if pool.backend != "nccl":
             pytest.skip(f"DeepEP needs NCCL ranks, this pool runs {pool.backend}")
