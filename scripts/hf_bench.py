@@ -11,6 +11,10 @@ medians over ``--iters`` (after ``--warmup``), device-synchronised.
 
     python scripts/hf_bench.py                  # GPU: bf16, the shapes above
     python scripts/hf_bench.py --tiny           # CPU check: a small model, a few tokens
+
+``--fp32-reference`` also runs the unpatched model once in fp32 (the same weights, upcast) and
+compares every implementation's prefill logits with it: how far each low-precision computation
+lands from the higher-precision one, ours and transformers' alike.
 """
 
 from __future__ import annotations
@@ -69,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tiny", action="store_true", help="a small model and workload (CPU)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--vocab-size", type=int, help="override the vocabulary (memory), default the model's"
+    )
+    parser.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="compare every implementation's prefill logits with the model run in fp32",
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--prefill-batch", type=int, default=4)
@@ -103,6 +115,8 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     """A Qwen3-MoE causal LM, every layer MoE, weights ~ N(0, 1/fan_in) generated on device."""
     hf = require_transformers()
     shapes = TINY if args.tiny else QWEN3_30B_A3B
+    if args.vocab_size:
+        shapes = {**shapes, "vocab_size": args.vocab_size}
     config = hf.Qwen3MoeConfig(
         **shapes,
         num_hidden_layers=args.layers,
@@ -187,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # the KV cache every decode timing starts from (copied each time)
         out = model(input_ids=context, use_cache=True, logits_to_keep=1)
         decode_state = (out.cache, out.logits[:, -1:].argmax(-1))
+    reference_logits = None
+    if args.fp32_reference:  # before patching: the HF blocks, upcast (a copy, freed after)
+        reference = copy.deepcopy(model).float()
+        with torch.no_grad():
+            out = reference(input_ids=prompts, use_cache=False, logits_to_keep=1)
+            reference_logits = out.logits[:, -1].float().cpu()  # [B, V]
+        del reference, out
     results: dict[str, dict] = {}
     for implementation in args.hf_experts.split(","):
         model.set_experts_implementation(implementation)
@@ -262,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"prefill last-token logits, {name} vs {baseline_name}: {spread.describe()}",
                 highlight=False,
             )
+    fp32_distance: dict[str, float] = {}  # max per-token relative error vs the fp32 model
+    if reference_logits is not None:
+        for name, result in results.items():
+            distance = compare_per_token(result["logits"], reference_logits, tolerance)
+            fp32_distance[name] = distance.max_relative_error
+            console.print(
+                f"prefill last-token logits, {name} vs the model in fp32: {distance.describe()}",
+                highlight=False,
+            )
     console.print(
         f"decode: batch {args.decode_batch}, {args.decode_context}-token cache, "
         f"{args.decode_steps} steps; prefill: batch {args.prefill_batch} × {args.prefill_len}; "
@@ -278,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     "command": command,
                     "rows": rows,
                     "logits_agreement": agreement.describe(),
+                    "fp32_distance": fp32_distance,
                     "ep_choice": report.choice,
                 },
                 indent=2,
