@@ -12,6 +12,7 @@ unusable and every later call says why.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -36,6 +37,12 @@ SETTLE_S = 2.0  # how long a collective may take to end by itself once a peer is
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
 DISPATCHER_NOTICE = "dispatcher"
+# At exit, a gloo worker thread can still be letting go of the last collective's tensors; if the
+# interpreter is already finalizing, taking the GIL for that ends the thread by a forced unwind
+# through torch's C++ frames, and the process aborts (SIGABRT, "terminate called without an active
+# exception", in ProcessGroupGloo::runLoop → TensorImpl::decref_pyobject). Exit waits this long
+# first, while the interpreter can still serve it.
+GLOO_RELEASE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -99,9 +106,14 @@ class _ExitNotices:
         self.previous(kind, value, trace)
 
 
+def _let_gloo_release() -> None:
+    time.sleep(GLOO_RELEASE_S)
+
+
 def _install_exit_notices() -> None:
     if not isinstance(sys.excepthook, _ExitNotices):
         sys.excepthook = _ExitNotices(sys.excepthook)
+        atexit.register(_let_gloo_release)
 
 
 class Peers:

@@ -69,9 +69,7 @@ def main() -> None:
         ),
         flush=True,
     )
-    # an application's own teardown: left to the interpreter's exit, a gloo group whose peer
-    # died can abort the process (SIGABRT, "terminate called without an active exception")
-    layer.close()
+    layer.close()  # an application's own teardown
     dist.destroy_process_group()
 
 
