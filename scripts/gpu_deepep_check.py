@@ -5,9 +5,10 @@ Run from the repository root: ``python scripts/gpu_deepep_check.py``. It
 2. builds a one-rank NCCL process group and an ``EPMoE(..., dispatcher="auto")`` on CUDA, prints
    ``layer.choice.describe()`` and checks the layer against ``reference_moe``;
 3. asks for ``dispatcher="deepep_v2"`` by name and prints the refusal (or that it was accepted).
-Where deep_ep V2 cannot run (the H200 test machine: NCCL 2.28.9, no deep_ep) it checks that
-"auto" fell back to torch_a2a and that the reason names both problems; where it can run, that
-"auto" chose it. Exit status 0 only if those checks hold.
+Where deep_ep V2 cannot run (e.g. the H200 test machine as it comes: NCCL 2.28.9, no deep_ep) it
+checks that "auto" fell back to torch_a2a and that the reason names the problems; where it can
+run (there, with the source build in docs/deepep.md), that "auto" chose it. Exit status 0 only if
+those checks hold.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ elif [[ "$part" == tests ]]; then
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   section "NCCL / GIN probe"
   timeout 60 python3 -m ep_runtime.dispatch.nccl_probe
-  section "DeepEP: auto falls back with the reason"
+  section "DeepEP: auto's choice, or its refusal with the reason"
   timeout 120 python3 scripts/gpu_deepep_check.py; echo "gpu_deepep_check exit $?"
   section "FlashInfer: refusals timed, auto's choice"
   timeout 120 python3 scripts/gpu_flashinfer_check.py; echo "gpu_flashinfer_check exit $?"

@@ -32,7 +32,7 @@ PYTHON="${PYTHON:-python3}"
 RUN_TIMEOUT=240 # seconds per launcher run; a stuck run must not eat the session
 OUT="${OUT:-out}"
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

@@ -188,7 +188,6 @@ class ImitationElasticBuffer:
         num_tokens, hidden = x.shape
         top_k = topk_idx.size(1)
         assert x.dtype == torch.bfloat16 and x.is_contiguous(), "x: contiguous bf16"
-        assert hidden % 256 == 0, "combine.cuh: Invalid hidden (H % 256 != 0)"
         assert hidden == self.hidden and top_k <= self.num_topk, "buffer sized for hidden/top-k"
         assert topk_idx.dtype == self.topk_idx_dtype, f"topk_idx must be {self.topk_idx_dtype}"
         assert topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape
@@ -332,6 +331,7 @@ class ImitationElasticBuffer:
         if topk_weights is not None or bias is not None:
             raise NotImplementedError("not imitated: combine topk_weights, bias")
         assert x.dtype == torch.bfloat16 and x.is_contiguous(), "combine: contiguous bf16 only"
+        assert x.size(1) % 256 == 0, "combine.cuh: Invalid hidden (H % 256 != 0)"
         assert x.size(0) == handle.num_allocated_rows, "combine: one row per dispatched row"
         order = torch.sort(handle.return_ranks, stable=True).indices
         send_counts = torch.bincount(handle.return_ranks, minlength=self.comm.world_size).tolist()
@@ -374,6 +374,10 @@ class ImitationBackedDeepEP(DeepEPV2Dispatcher):
 
     @classmethod
     def environment_problems(cls, setup: DispatchSetup) -> list[str]:
+        return []
+
+    @classmethod
+    def first_dispatch_problems(cls, setup: DispatchSetup) -> list[str]:
         return []
 
 

@@ -500,6 +500,21 @@ def test_hidden_off_the_combine_step_is_refused(hidden):
     assert ImitationBackedDeepEP.unavailable_reason(_setup(DispatchMode.EXACT)) is None
 
 
+def test_hidden_off_the_combine_step_skips_the_probe(monkeypatch):
+    """The probe can take minutes (it compiles DeepEP's kernels): a layer refused for its hidden
+    size is refused without it."""
+    monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())  # DeepEP "installed"
+    monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
+    monkeypatch.setattr(
+        deepep_v2, "first_dispatch_problem", lambda index: pytest.fail("the probe ran")
+    )
+    setup = dataclasses.replace(
+        _cuda_setup(1), comm=Comm(object(), 0, 1, torch.device("cuda", 0)), hidden_size=128
+    )
+    reason = DeepEPV2Dispatcher.unavailable_reason(setup)
+    assert reason.startswith("hidden_size=128: DeepEP V2's combine needs a multiple of 256")
+
+
 def test_first_dispatch_probe_can_be_skipped(monkeypatch, fresh_probe):
     monkeypatch.setenv(deepep_v2.PROBE_ENV, "0")
     monkeypatch.setattr(deepep_v2, "PROBE_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])

@@ -78,24 +78,28 @@ def load_deep_ep() -> DeepEPLibrary:
     return DeepEPLibrary(f"deep_ep {version}", deep_ep.ElasticBuffer, deep_ep.topk_idx_t)
 
 
-# DeepEP V2's combine kernel moves a token's bf16 row as 32 lanes x 16 bytes per step and
-# static_asserts that H is a multiple of that (its JIT compile fails otherwise).
-COMBINE_HIDDEN_MULTIPLE = 32 * 16 // 2
+# DeepEP V2's combine kernel moves a token's bf16 row as one warp's lanes x 16 bytes per step
+# and static_asserts that H is a multiple of that (its JIT compile fails otherwise).
+COMBINE_LANES = 32
+COMBINE_BYTES_PER_LANE = 16
+COMBINE_HIDDEN_MULTIPLE = COMBINE_LANES * COMBINE_BYTES_PER_LANE // torch.bfloat16.itemsize
 PROBE_ENV = "EP_RUNTIME_DEEPEP_PROBE"  # "0": trust DeepEP's first dispatch without trying it
 PROBE_TIMEOUT_S = 600  # the probe's dispatch JIT-compiles DeepEP's kernels
 # A world of one on one GPU: build a small ElasticBuffer as the adapter does, dispatch one token
 # and combine it. Run in a child process, so a crash there refuses the backend instead of
 # killing the rank.
-PROBE_SCRIPT = """
+PROBE_SCRIPT = f"""
 import os, tempfile, torch, torch.distributed as dist, deep_ep
 torch.cuda.set_device(0)
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("nccl", store=store, rank=0, world_size=1)
 dist.all_reduce(torch.zeros(1, device="cuda"))
-buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=256,
-    num_topk=2, allow_hybrid_mode=False, allow_multiple_reduction=False, explicitly_destroy=True)
+buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8,
+    hidden={COMBINE_HIDDEN_MULTIPLE}, num_topk=2, allow_hybrid_mode=False,
+    allow_multiple_reduction=False, explicitly_destroy=True)
 ids = torch.tensor([[0, -1]], dtype=deep_ep.topk_idx_t, device="cuda")
-recv = buffer.dispatch(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda"), topk_idx=ids,
+x = torch.zeros(1, {COMBINE_HIDDEN_MULTIPLE}, dtype=torch.bfloat16, device="cuda")
+recv = buffer.dispatch(x, topk_idx=ids,
     topk_weights=torch.ones(1, 2, device="cuda"), num_experts=2, num_max_tokens_per_rank=8,
     expert_alignment=1, num_sms=2, do_cpu_sync=True, do_expand=False)
 buffer.combine(recv[0], recv[3])
@@ -214,10 +218,13 @@ class DeepEPV2Dispatcher(Dispatcher):
                 f"a group of {comm.world_size} ranks needs >= 2 GPUs, "
                 f"this host has {torch.cuda.device_count()}"
             )
-        if not problems:  # everything DeepEP needs is here: does its first dispatch survive?
-            problem = first_dispatch_problem(setup.device.index or 0)
-            problems += [problem] if problem else []
         return problems
+
+    @classmethod
+    def first_dispatch_problems(cls, setup: DispatchSetup) -> list[str]:
+        """Whether DeepEP's first dispatch survives here (a child-process probe, cached)."""
+        problem = first_dispatch_problem(setup.device.index or 0)
+        return [problem] if problem else []
 
     @classmethod
     def unavailable_reason(cls, setup: DispatchSetup) -> str | None:
@@ -225,8 +232,11 @@ class DeepEPV2Dispatcher(Dispatcher):
         if setup.hidden_size % COMBINE_HIDDEN_MULTIPLE:
             problems.append(
                 f"hidden_size={setup.hidden_size}: DeepEP V2's combine needs a multiple of "
-                f"{COMBINE_HIDDEN_MULTIPLE} (32 lanes x 16 bytes of bf16 per step)"
+                f"{COMBINE_HIDDEN_MULTIPLE} ({COMBINE_LANES} lanes x {COMBINE_BYTES_PER_LANE} "
+                "bytes of bf16 per step)"
             )
+        if not problems:  # everything else is fine: the probe last, it can take minutes
+            problems += cls.first_dispatch_problems(setup)
         return "; ".join(problems) or None
 
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -106,14 +107,15 @@ class _ExitNotices:
         self.previous(kind, value, trace)
 
 
-def _let_gloo_release() -> None:
-    time.sleep(GLOO_RELEASE_S)
-
-
 def _install_exit_notices() -> None:
     if not isinstance(sys.excepthook, _ExitNotices):
         sys.excepthook = _ExitNotices(sys.excepthook)
-        atexit.register(_let_gloo_release)
+
+
+@functools.cache
+def _wait_for_gloo_at_exit() -> None:
+    """Once per process, the first time a dispatcher runs on a gloo group (GLOO_RELEASE_S)."""
+    atexit.register(time.sleep, GLOO_RELEASE_S)
 
 
 class Peers:
@@ -136,6 +138,8 @@ class Peers:
         if self.store is not None and comm.world_size > 1:
             _LIVE.add(self)
             _install_exit_notices()
+            if "gloo" in comm.backend:
+                _wait_for_gloo_at_exit()
 
     # ----------------------------------------------------------------- collectives
     def all_to_all(
