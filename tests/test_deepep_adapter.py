@@ -45,7 +45,8 @@ from tests.deepep_imitation import (
 )
 from tests.multigpu import checks, deepep_cases, dispatch_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
-from tests.multigpu.deepep_cases import HIDDEN, deepep_spec
+from tests.multigpu.deepep_cases import HIDDEN
+from tests.multigpu.rank_inputs import CaseSpec
 
 IMITATION = ImitationBackedDeepEP.name
 LAYOUTS = ("standard", "expanded")
@@ -76,7 +77,9 @@ def imitation_pool():
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts, activation):
-    spec = deepep_spec(IMITATION, experts=experts, layout=layout, mode=mode, activation=activation)
+    spec = CaseSpec(
+        dispatcher=IMITATION, experts=experts, layout=layout, mode=mode, activation=activation
+    )
     checks.run_layer_cases(imitation_pool(world_size), spec)
 
 
@@ -84,7 +87,7 @@ def test_layer_matches_reference(imitation_pool, world_size, mode, layout, exper
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
 def test_edge_cases(imitation_pool, edge, layout, mode):
-    spec = deepep_spec(IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
     checks.run_layer_cases(
         imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
     )
@@ -93,7 +96,7 @@ def test_edge_cases(imitation_pool, edge, layout, mode):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
     """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
-    spec = deepep_spec(IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
     checks.run_layer_cases(imitation_pool(2), spec)
 
 
@@ -101,7 +104,7 @@ def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
-    spec = deepep_spec(IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, top_k=4, num_experts=8)
     assert sum(imitation_pool(world_size).run_ok(dispatch_cases.check_round_trip, spec)) > 0
 
 
@@ -109,7 +112,7 @@ def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
-    spec = deepep_spec(IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
     pool = imitation_pool(world_size)
     assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
 
@@ -118,14 +121,14 @@ def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
     pool = imitation_pool(2)
-    spec = deepep_spec(IMITATION, experts="grouped_mm", layout=layout, mode=mode)
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
     checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
 
 
 @pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
 def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
     pool = imitation_pool(2)
-    spec = deepep_spec(IMITATION, experts="grouped_mm")
+    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
     run = partial(checks.run_layer_cases, pool)
     checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)
 
@@ -458,6 +461,15 @@ def fresh_probe():
     deepep_v2.first_dispatch_problem.cache_clear()
 
 
+@pytest.fixture
+def installed_setup(monkeypatch) -> DispatchSetup:
+    """A world of one on "cuda:0" whose group claims NCCL and whose deep_ep claims to be
+    installed: everything but the probe (and the setup's own values) passes."""
+    monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())
+    monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
+    return dataclasses.replace(_cuda_setup(1), comm=Comm(object(), 0, 1, torch.device("cuda", 0)))
+
+
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
@@ -472,15 +484,13 @@ def fresh_probe():
         ("print('dispatched')", None),
     ],
 )
-def test_first_dispatch_probe_refuses_a_crashing_deepep(monkeypatch, fresh_probe, script, expected):
+def test_first_dispatch_probe_refuses_a_crashing_deepep(
+    monkeypatch, fresh_probe, installed_setup, script, expected
+):
     """The probe's verdict (a stand-in script plays DeepEP's first dispatch): a crash or an
     error refuses the backend, naming what happened; a clean run does not."""
     monkeypatch.setattr(deepep_v2, "PROBE_COMMAND", [sys.executable, "-c", script])
-    monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())  # DeepEP "installed"
-    nccl_group = Comm(object(), 0, 1, torch.device("cuda", 0))  # stands in for an NCCL group
-    monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
-    setup = dataclasses.replace(_cuda_setup(1), comm=nccl_group)
-    reason = deepep_v2.DeepEPV2Dispatcher.unavailable_reason(setup)
+    reason = deepep_v2.DeepEPV2Dispatcher.unavailable_reason(installed_setup)
     if expected is None:
         assert reason is None
     else:
@@ -500,17 +510,13 @@ def test_hidden_off_the_combine_step_is_refused(hidden):
     assert ImitationBackedDeepEP.unavailable_reason(_setup(DispatchMode.EXACT)) is None
 
 
-def test_hidden_off_the_combine_step_skips_the_probe(monkeypatch):
+def test_hidden_off_the_combine_step_skips_the_probe(monkeypatch, installed_setup):
     """The probe can take minutes (it compiles DeepEP's kernels): a layer refused for its hidden
     size is refused without it."""
-    monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())  # DeepEP "installed"
-    monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
     monkeypatch.setattr(
         deepep_v2, "first_dispatch_problem", lambda index: pytest.fail("the probe ran")
     )
-    setup = dataclasses.replace(
-        _cuda_setup(1), comm=Comm(object(), 0, 1, torch.device("cuda", 0)), hidden_size=128
-    )
+    setup = dataclasses.replace(installed_setup, hidden_size=128)
     reason = DeepEPV2Dispatcher.unavailable_reason(setup)
     assert reason.startswith("hidden_size=128: DeepEP V2's combine needs a multiple of 256")
 

@@ -13,11 +13,6 @@ from tests.multigpu.rank_inputs import CaseSpec
 HIDDEN = COMBINE_HIDDEN_MULTIPLE  # the smallest H DeepEP V2's combine compiles for
 
 
-def deepep_spec(dispatcher: str, **fields: object) -> CaseSpec:
-    """A case DeepEP V2 (or its imitation) can serve: H a multiple of its combine's step."""
-    return CaseSpec(dispatcher=dispatcher, hidden=HIDDEN, **fields)
-
-
 def _row_keys(
     hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> list[tuple[tuple, ...]]:

@@ -24,7 +24,7 @@ class CaseSpec:
     num_experts: int = 8
     top_k: int = 3  # config maximum
     k: int | None = None  # K in force (columns of topk_ids); None = top_k
-    hidden: int = 128  # TRTLLM needs H % 128 == 0
+    hidden: int = 256  # every backend serves it: DeepEP V2 needs H % 256, TRTLLM H % 128
     intermediate: int = 64
     tokens: tuple[int, ...] | None = None  # per rank; None = odd, uneven defaults
     cap: int = 16

@@ -16,7 +16,7 @@ import torch
 from ep_runtime.dispatch.deepep_v2 import deep_ep_problems
 from ep_runtime.dispatch.nccl_probe import probe_library
 from tests.multigpu import deepep_cases, dispatch_cases, fault_cases, layer_cases, rank_inputs
-from tests.multigpu.deepep_cases import deepep_spec
+from tests.multigpu.rank_inputs import CaseSpec
 
 CASE_TIMEOUT_S = 600.0
 MULTI_RANK_SIZES = (2, 4, 8)
@@ -48,7 +48,7 @@ def nccl_pool(pool_factory):
     return get
 
 
-def run_real(pool, spec: rank_inputs.CaseSpec):
+def run_real(pool, spec: CaseSpec):
     results = pool.run_ok(layer_cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S)
     assert {r.dispatcher for r in results} == {"deepep_v2"}
     bad = [f"rank {r.rank}: {r.comparison.describe()}" for r in results if not r.comparison.passed]
@@ -67,13 +67,13 @@ def test_nccl_is_new_enough_and_single():
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
 def test_layer_matches_reference(nccl_pool, world_size, mode, layout, experts):
-    spec = deepep_spec("deepep_v2", experts=experts, layout=layout, mode=mode)
+    spec = CaseSpec(dispatcher="deepep_v2", experts=experts, layout=layout, mode=mode)
     run_real(nccl_pool(world_size), spec)
 
 
 @pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
 def test_auto_prefers_deepep(nccl_pool, world_size):
-    spec = deepep_spec("auto", experts="grouped_mm", layout="expanded")
+    spec = CaseSpec(dispatcher="auto", experts="grouped_mm", layout="expanded")
     results = nccl_pool(world_size).run_ok(
         layer_cases.run_layer_case, spec, timeout_s=CASE_TIMEOUT_S
     )
@@ -88,13 +88,13 @@ def test_auto_prefers_deepep(nccl_pool, world_size):
     ids=["no_tokens_on_rank0", "one_token", "all_to_one_expert", "k_below_top_k"],
 )
 def test_edge_cases(nccl_pool, changes, layout, mode):
-    spec = deepep_spec("deepep_v2", experts="grouped_mm", layout=layout, mode=mode)
+    spec = CaseSpec(dispatcher="deepep_v2", experts="grouped_mm", layout=layout, mode=mode)
     run_real(nccl_pool(2), rank_inputs.with_spec(spec, **changes))
 
 
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_exact_mode_chunks_past_the_cap(nccl_pool, layout):
-    spec = deepep_spec("deepep_v2", layout=layout, cap=4, tokens=(11, 2))
+    spec = CaseSpec(dispatcher="deepep_v2", layout=layout, cap=4, tokens=(11, 2))
     run_real(nccl_pool(2), spec)
 
 
@@ -102,7 +102,7 @@ def test_exact_mode_chunks_past_the_cap(nccl_pool, layout):
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_dispatch_is_bitwise(nccl_pool, world_size, mode, layout):
-    spec = deepep_spec("deepep_v2", layout=layout, mode=mode)
+    spec = CaseSpec(dispatcher="deepep_v2", layout=layout, mode=mode)
     pool = nccl_pool(world_size)
     counts = pool.run_ok(
         deepep_cases.check_dispatch_bitwise_any_order, spec, timeout_s=CASE_TIMEOUT_S
@@ -114,7 +114,7 @@ def test_dispatch_is_bitwise(nccl_pool, world_size, mode, layout):
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_round_trip_is_exact(nccl_pool, world_size, mode, layout):
-    spec = deepep_spec("deepep_v2", layout=layout, mode=mode, top_k=4, num_experts=8)
+    spec = CaseSpec(dispatcher="deepep_v2", layout=layout, mode=mode, top_k=4, num_experts=8)
     rows = nccl_pool(world_size).run_ok(
         dispatch_cases.check_round_trip, spec, timeout_s=CASE_TIMEOUT_S
     )
@@ -128,7 +128,7 @@ def test_bad_input_on_one_rank_fails_every_rank(nccl_pool, fault, mode):
     """exact: every rank raises at once. capacity on CUDA: the bad rank raises, the others
     finish the forward (no host sync; DeepEP's dispatch and combine still run, with no rows
     from the bad rank) and raise at ``check()``, naming it. Nobody hangs."""
-    spec = deepep_spec("deepep_v2", experts="grouped_mm", mode=mode, tokens=(5, 5))
+    spec = CaseSpec(dispatcher="deepep_v2", experts="grouped_mm", mode=mode, tokens=(5, 5))
     pool = nccl_pool(2)
     results = pool.run_ok(fault_cases.timed_bad_input, spec, 1, fault, timeout_s=CASE_TIMEOUT_S)
     argument = {"id_out_of_range": "topk_ids", "too_many_tokens": "x"}[fault]

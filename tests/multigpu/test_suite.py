@@ -14,18 +14,13 @@ import torch
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
 from ep_runtime.types import Activation, DispatchMode, TopkLayout
-from tests.multigpu import checks, deepep_cases, dispatch_cases, layer_cases, rank_inputs
+from tests.multigpu import checks, dispatch_cases, layer_cases, rank_inputs
 from tests.multigpu.expectations import expected_refusal
 from tests.multigpu.pool import RankFailure
 from tests.multigpu.rank_inputs import CaseSpec
 
 # EP_TEST_WORLD_SIZES=1,2,4,8 on a machine with 8 GPUs runs NCCL across all of them
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("EP_TEST_WORLD_SIZES", "1,2,4").split(","))
-
-
-# a hidden size every registered backend serves (DeepEP V2's combine needs H % 256 == 0,
-# FlashInfer TRTLLM H % 128 == 0), so a refusal here is about the machine, not the case
-MATRIX_HIDDEN = deepep_cases.HIDDEN
 
 
 def backend_matrix():
@@ -38,7 +33,6 @@ def backend_matrix():
             layout=layout.value,
             activation=activation.value,
             mode=mode.value,
-            hidden=MATRIX_HIDDEN,
         )
 
 
