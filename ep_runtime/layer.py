@@ -1,34 +1,26 @@
-"""``EPMoE``: one dispatcher and one experts backend glued together, after checking they fit."""
+"""``EPMoE``: one dispatcher and one experts backend glued together, after checking they fit.
+
+Options are checked into a ``LayerSpec`` (layer_spec.py), backends picked by ``selection.py``
+and agreed by every rank in ``agreement.py``; this module runs the forward."""
 
 from __future__ import annotations
 
 import math
-import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ep_runtime import dispatch as _dispatch_backends  # noqa: F401  (registers dispatchers)
-from ep_runtime import experts as _experts_backends  # noqa: F401  (registers experts)
+from ep_runtime.agreement import agree_on_build
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
-from ep_runtime.dispatch.base import (
-    DISPATCHERS,
-    Dispatcher,
-    DispatchSetup,
-    LayerIdentity,
-    PeerSetup,
-    acquire_dispatcher,
-    release_dispatcher,
-)
-from ep_runtime.dispatch.peers import PeerIdentity
-from ep_runtime.dispatch.protocol import fingerprint_of
-from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup, check_expert_weights
+from ep_runtime.dispatch.base import LayerIdentity, acquire_dispatcher, release_dispatcher
+from ep_runtime.experts.base import check_expert_weights
+from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
     BackendUnavailableError,
     ClosedError,
@@ -42,174 +34,6 @@ from ep_runtime.validation import check_forward_inputs
 T = TypeVar("T")
 PhaseTimer = Callable[[str, Callable[[], T]], T]  # (phase name, the phase's work) -> its result
 PHASES = ("dispatch", "experts", "combine")
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    """What was picked, what else could have run (and why it lost), and every refusal."""
-
-    dispatcher: str
-    experts: str
-    layout: TopkLayout
-    refused: dict[str, str] = field(default_factory=dict)  # "kind:name" -> reason
-    passed_over: dict[str, str] = field(default_factory=dict)  # "kind:name" -> why not chosen
-
-    def describe(self) -> str:
-        lines = [f"dispatcher={self.dispatcher} experts={self.experts} layout={self.layout.value}"]
-        lines += [f"  passed over {name}: {reason}" for name, reason in self.passed_over.items()]
-        lines += [f"  refused {name}: {reason}" for name, reason in self.refused.items()]
-        return "\n".join(lines)
-
-
-def _layouts_to_try(experts_cls: type[Experts], layout: TopkLayout | None) -> list[TopkLayout]:
-    if layout is not None:
-        return [layout]
-    preferred = experts_cls.capabilities.preferred_layout
-    return [preferred, *(x for x in TopkLayout if x != preferred)]
-
-
-def _fit(
-    experts_cls: type[Experts],
-    dispatcher: str,
-    layout: TopkLayout | None,
-    dispatch_setup: DispatchSetup,
-    experts_setup: ExpertsSetup,
-) -> tuple[type[Dispatcher], TopkLayout] | str:
-    """The first (dispatcher, layout) that ``experts_cls`` runs with, or why there is none."""
-    reasons = []
-    for candidate_layout in _layouts_to_try(experts_cls, layout):
-        reason = experts_cls.refusal(experts_setup, candidate_layout)
-        if reason is not None:
-            reasons.append(f"layout {candidate_layout.value}: {reason}")
-            continue
-        for dispatcher_cls in DISPATCHERS.candidates(dispatcher):
-            why = dispatcher_cls.refusal(dispatch_setup, candidate_layout)
-            if why is None:
-                return dispatcher_cls, candidate_layout
-            reasons.append(f"{dispatcher_cls.name} ({candidate_layout.value}): {why}")
-    return "no dispatcher fits: " + "; ".join(reasons)
-
-
-def choose_backends(
-    dispatcher: str,
-    experts: str,
-    layout: TopkLayout | None,
-    dispatch_setup: DispatchSetup,
-    experts_setup: ExpertsSetup,
-) -> tuple[type[Dispatcher], type[Experts], BackendChoice]:
-    """Pick (dispatcher, experts, layout): the highest-priority experts backend that runs here
-    with some dispatcher, in its preferred layout if a dispatcher supports it. Every candidate
-    gets a line in the choice: why it was refused, or why it lost although it could run."""
-    refused: dict[str, str] = {}
-    runnable: list[tuple[type[Experts], type[Dispatcher], TopkLayout]] = []
-    for experts_cls in EXPERTS.candidates(experts):
-        reason = experts_cls.refusal(experts_setup, None)
-        if reason is None and experts == "auto":
-            reason = experts_cls.auto_refusal(experts_setup)
-        fit = (
-            reason
-            if reason is not None
-            else _fit(experts_cls, dispatcher, layout, dispatch_setup, experts_setup)
-        )
-        if isinstance(fit, str):
-            refused[f"experts:{experts_cls.name}"] = fit
-        else:
-            runnable.append((experts_cls, *fit))
-    if not runnable:
-        raise BackendUnavailableError(
-            "experts+dispatcher", f"experts={experts}, dispatcher={dispatcher}", refused
-        )
-    experts_cls, dispatcher_cls, chosen_layout = runnable[0]
-    passed_over = {
-        f"experts:{other.name}": (
-            f"runs here too; {experts_cls.name} ranks higher for 'auto' "
-            f"(priority {experts_cls.auto_priority} > {other.auto_priority})"
-        )
-        for other, _, _ in runnable[1:]
-    }
-    for other in DISPATCHERS.candidates(dispatcher):
-        if other is dispatcher_cls:
-            continue
-        why = other.refusal(dispatch_setup, chosen_layout)
-        if why is not None:
-            refused[f"dispatcher:{other.name}"] = why
-        else:
-            passed_over[f"dispatcher:{other.name}"] = (
-                f"runs here too; {dispatcher_cls.name} ranks higher for 'auto' "
-                f"(priority {dispatcher_cls.auto_priority} > {other.auto_priority})"
-            )
-    choice = BackendChoice(
-        dispatcher_cls.name, experts_cls.name, chosen_layout, refused, passed_over
-    )
-    return dispatcher_cls, experts_cls, choice
-
-
-@dataclass(frozen=True)
-class _BuildReport:
-    """What each rank contributes when a layer is built (one all-gather)."""
-
-    settings: dict[str, str]
-    choice: tuple[str, str, str] | str  # (dispatcher, experts, layout) or the refusal
-    identity: PeerIdentity
-    nonce: str
-
-
-def agree_on_build(
-    comm: Comm,
-    settings: dict[str, str],
-    chosen: tuple[type[Dispatcher], type[Experts], BackendChoice] | BackendUnavailableError,
-) -> PeerSetup:
-    """One all-gather: every rank must have the same settings and run the same backends (their
-    collectives must match), or all raise, naming the setting (or choice) and the ranks."""
-    summary = (
-        chosen
-        if isinstance(chosen, BackendUnavailableError)
-        else (chosen[2].dispatcher, chosen[2].experts, chosen[2].layout.value)
-    )
-    own = _BuildReport(
-        settings,
-        summary if isinstance(summary, tuple) else f"no backend: {summary}",
-        PeerIdentity.of_this_process(),
-        uuid.uuid4().hex,
-    )
-    reports: list[_BuildReport] = comm.all_gather_object(own)  # type: ignore[assignment]
-    for key in settings:
-        values = [report.settings.get(key) for report in reports]
-        if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {rank} = {value}" for rank, value in enumerate(values))
-            raise EPInputError(key, "the same value on every rank", per_rank)
-    choices = [report.choice for report in reports]
-    if any(isinstance(c, tuple) for c in choices) and len(set(map(str, choices))) > 1:
-        per_rank = "\n".join(f"  rank {rank}: {c}" for rank, c in enumerate(choices))
-        raise BackendUnavailableError(
-            "experts+dispatcher",
-            f"experts={settings['experts']}, dispatcher={settings['dispatcher']}",
-            {"ranks disagree": f"every rank must run the same backends:\n{per_rank}"},
-        )
-    if isinstance(chosen, BackendUnavailableError):
-        raise chosen
-    return PeerSetup(
-        namespace=f"ep_runtime/{reports[0].nonce}",
-        identities=[report.identity for report in reports],
-    )
-
-
-def _checked_device(device: torch.device | str | None) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise EPInputError("device", "a torch device such as 'cpu' or 'cuda:0'", device) from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise EPInputError(
-            "device",
-            f"a device this torch can use (torch {torch.__version__} has no usable CUDA)",
-            device,
-        )
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 class EPMoE(torch.nn.Module):
@@ -234,70 +58,60 @@ class EPMoE(torch.nn.Module):
         poison: bool = False,
     ) -> None:
         super().__init__()
-        try:
-            self.mode = DispatchMode(mode)
-        except ValueError:
-            raise EPInputError("mode", "'exact' or 'capacity'", mode) from None
-        try:
-            requested_layout = None if layout == "auto" else TopkLayout(layout)
-        except ValueError:
-            raise EPInputError("layout", "'auto', 'standard' or 'expanded'", layout) from None
-        capacity = (
-            config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
-        )
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise EPInputError("max_tokens_per_rank", "a positive int", capacity)
         self.config = config
-        self.comm = Comm.create(group, _checked_device(device))
-        self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
-        self.dtype = config.resolve_dtype(self.comm.device)
-        self.max_tokens_per_rank = capacity
-        self.poison = poison
-        self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
-        dispatch_setup = DispatchSetup(
-            comm=self.comm,
-            num_experts=config.num_experts,
-            hidden_size=config.hidden_size,
-            max_top_k=config.top_k,
-            max_tokens_per_rank=capacity,
-            dtype=self.dtype,
-            mode=self.mode,
+        self.comm = Comm.create(group, checked_device(device))
+        self.spec = LayerSpec.of(
+            config,
+            self.comm.device,
+            dispatcher=dispatcher,
+            experts=experts,
+            layout=layout,
+            mode=mode,
+            max_tokens_per_rank=max_tokens_per_rank,
             poison=poison,
         )
-        self.checks_on_device = dispatch_setup.checks_on_device
-        experts_setup = ExpertsSetup(
-            config, self.placement, self.comm.device, self.dtype, max_tokens_per_rank=capacity
-        )
+        self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
+        self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
+        dispatch_setup = self.spec.dispatch_setup(self.comm)
+        experts_setup = self.spec.experts_setup(self.placement, self.comm.device)
         try:
             chosen = choose_backends(
-                dispatcher, experts, requested_layout, dispatch_setup, experts_setup
+                self.spec.dispatcher,
+                self.spec.experts,
+                self.spec.layout,
+                dispatch_setup,
+                experts_setup,
             )
         except BackendUnavailableError as error:
             chosen = error
-        settings = {
-            "num_experts": str(config.num_experts),
-            "top_k": str(config.top_k),
-            "hidden_size": str(config.hidden_size),
-            "intermediate_size": str(config.intermediate_size),
-            "activation": config.activation.value,
-            "dtype": str(self.dtype),
-            "mode": self.mode.value,
-            "max_tokens_per_rank": str(capacity),
-            "layout": "auto" if requested_layout is None else requested_layout.value,
-            "dispatcher": dispatcher,
-            "experts": experts,
-            "poison": str(poison),
-        }
-        peer_setup = agree_on_build(self.comm, settings, chosen)
+        peer_setup = agree_on_build(self.comm, self.spec, chosen)
         assert not isinstance(chosen, BackendUnavailableError)
         dispatcher_cls, experts_cls, self.choice = chosen
         self.layout = self.choice.layout
         self.experts = experts_cls(experts_setup)
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
-        self.identity = LayerIdentity(fingerprint_of(settings), self.dispatcher.register_layer())
+        self.identity = LayerIdentity(self.spec.fingerprint(), self.dispatcher.register_layer())
         self._closed = False
         self._weights_loaded = False
         self._warned_about_grad = False
+
+    @property
+    def mode(self) -> DispatchMode:
+        return self.spec.mode
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the config's, or bf16 on CUDA and fp32 on CPU)."""
+        return self.spec.dtype
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The cap: rows per rank per dispatch (a chunk in exact mode, the forward in capacity)."""
+        return self.spec.max_tokens_per_rank
+
+    @property
+    def poison(self) -> bool:
+        return self.spec.poison
 
     @property
     def device(self) -> torch.device:

@@ -13,6 +13,7 @@ import ep_runtime.dispatch
 import ep_runtime.experts
 from ep_runtime import EPInputError, EPMoE, MoEConfig
 from ep_runtime.dispatch import DISPATCHERS
+from ep_runtime.dispatch.protocol import fingerprint_of
 from ep_runtime.experts import EXPERTS
 
 CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
@@ -69,3 +70,48 @@ def test_every_backend_module_registers_itself(package, registry) -> None:
         for backend in backends:
             assert registry[backend.name] is backend
     assert {"torch_a2a", "deepep_v2", "torch_symm_mem"} <= set(DISPATCHERS.names())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(mode="capacity", layout="standard", max_tokens_per_rank=8, poison=True),
+        dict(dispatcher="torch_a2a", experts="reference", layout="expanded"),
+    ],
+)
+def test_the_agreed_settings_are_every_option_once(options) -> None:
+    """The settings ranks agree on (and the fingerprint in each header) are every field of the
+    layer's spec, its config's by name, written out here by hand from the arguments."""
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)  # dtype None
+    layer = EPMoE(config, device="cpu", **options)
+    try:
+        expected = {
+            "num_experts": "4",
+            "top_k": "2",
+            "hidden_size": "16",
+            "intermediate_size": "8",
+            "activation": "silu",
+            "dtype": "torch.float32",  # None resolves to fp32 on CPU
+            "max_tokens_per_rank": str(options.get("max_tokens_per_rank", 256)),
+            "mode": options.get("mode", "exact"),
+            "layout": options.get("layout", "auto"),
+            "dispatcher": options.get("dispatcher", "auto"),
+            "experts": options.get("experts", "auto"),
+            "poison": str(options.get("poison", False)),
+        }
+        assert layer.spec.settings() == expected
+        assert layer.identity.fingerprint == fingerprint_of(expected)
+    finally:
+        layer.close()
+
+
+def test_the_cap_is_one_value_for_the_layer_its_dispatcher_and_its_experts() -> None:
+    for cap, expected in ((None, CFG.max_tokens_per_rank), (8, 8)):
+        layer = EPMoE(CFG, experts="reference", max_tokens_per_rank=cap, device="cpu")
+        try:
+            assert layer.max_tokens_per_rank == expected
+            assert layer.dispatcher.setup.max_tokens_per_rank == expected
+            assert layer.experts.setup.token_cap == expected
+        finally:
+            layer.close()

@@ -1,0 +1,75 @@
+"""Hugging Face ``transformers`` MoE models with their sparse-MoE blocks expert-parallel.
+
+On every rank (data-parallel attention, expert-parallel MoE; the default process group)::
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    report = patch_moe_blocks(model)                       # EPMoE options as keywords
+    result = greedy_generate(model, report, prompt_ids, max_new_tokens=32)
+
+``patch_moe_blocks`` replaces every supported sparse-MoE block with an ``EPMoEBlock``: the block's
+own router module runs on the rank (the same logits, the same output-recording hooks), ``route()``
+reproduces the router's top-k from those logits, an ``EPMoE`` that holds only this rank's expert
+shard computes the routed experts, and the block's shared experts (if any) run locally. Nothing
+else in the model changes. ``greedy_generate`` keeps every rank in every MoE collective until all
+ranks are done: a rank with no request, or one that has finished, runs each MoE block on zero
+tokens, in layer order.
+
+Needs the ``hf`` extra (``transformers``); written and tested against transformers 5.24.
+
+One job a module: ``architectures`` (the supported blocks, their router readers), ``patching``
+(``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``generation``
+(``greedy_generate``, ``MoEClock``) and ``models`` (random tiny models, ``load_model``,
+``eos_ids``; the only one that imports ``transformers``).
+"""
+
+from ep_runtime.integrations.transformers.architectures import (
+    ARCHITECTURES,
+    SUPPORTED_BLOCKS,
+    Architecture,
+    RouterSettings,
+    UnsupportedMoEBlockError,
+    architecture_of,
+)
+from ep_runtime.integrations.transformers.generation import GreedyResult, MoEClock, greedy_generate
+from ep_runtime.integrations.transformers.models import (
+    RANDOM_MODELS,
+    TESTED_TRANSFORMERS,
+    build_random_model,
+    eos_ids,
+    load_model,
+    random_config,
+    require_transformers,
+)
+from ep_runtime.integrations.transformers.patching import (
+    EPMoEBlock,
+    PatchedBlock,
+    PatchReport,
+    find_moe_blocks,
+    patch_moe_blocks,
+    tensor_bytes,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "RANDOM_MODELS",
+    "SUPPORTED_BLOCKS",
+    "TESTED_TRANSFORMERS",
+    "Architecture",
+    "EPMoEBlock",
+    "GreedyResult",
+    "MoEClock",
+    "PatchReport",
+    "PatchedBlock",
+    "RouterSettings",
+    "UnsupportedMoEBlockError",
+    "architecture_of",
+    "build_random_model",
+    "eos_ids",
+    "find_moe_blocks",
+    "greedy_generate",
+    "load_model",
+    "patch_moe_blocks",
+    "random_config",
+    "require_transformers",
+    "tensor_bytes",
+]

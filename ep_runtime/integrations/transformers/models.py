@@ -1,0 +1,162 @@
+"""Seeded random tiny models per supported architecture (the launcher's and the tests' fixtures),
+checkpoint loading, and the model's end-of-sequence ids. The one part of the integration that
+needs ``transformers`` itself (the ``hf`` extra)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ep_runtime.integrations.transformers.architectures import ARCHITECTURES
+from ep_runtime.types import EPInputError
+
+try:  # the optional extra; the rest of the integration works without it
+    import transformers
+except ImportError:  # pragma: no cover - exercised only where the extra is missing
+    transformers = None
+
+TESTED_TRANSFORMERS = "5.24"
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or an ImportError that says how to get it."""
+    if transformers is None:
+        raise ImportError(
+            "ep_runtime.integrations.transformers needs the 'hf' extra: "
+            "pip install 'ep_runtime[hf]' (transformers)"
+        )
+    return transformers
+
+
+def _tiny_configs() -> dict[str, Callable[[], Any]]:
+    """Small random-model configs per architecture (CPU-friendly; 12 experts: W = 1, 2, 3, 4,
+    6, 12). Each has a dense layer before or between MoE layers."""
+    hf = require_transformers()
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    deepseek = dict(
+        common,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=12,
+        num_experts_per_tok=3,
+    )
+    return {
+        "qwen3-moe": lambda: hf.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            num_experts=12,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+        ),
+        "mixtral": lambda: hf.MixtralConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_local_experts=12,
+            num_experts_per_tok=2,
+        ),
+        "deepseek-v3": lambda: hf.DeepseekV3Config(
+            **deepseek,
+            q_lora_rank=32,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+        "deepseek-v2": lambda: hf.DeepseekV2Config(
+            **deepseek,
+            q_lora_rank=None,
+            topk_method="greedy",
+            n_shared_experts=2,
+            routed_scaling_factor=1.0,
+        ),
+    }
+
+
+RANDOM_MODELS = tuple(arch.name for arch in ARCHITECTURES)
+
+
+def random_config(name: str, **overrides: Any) -> Any:
+    """The tiny config of architecture ``name`` (see ``RANDOM_MODELS``), fields overridden."""
+    configs = _tiny_configs()
+    if name not in configs:
+        raise EPInputError("model", f"one of {', '.join(configs)}", repr(name))
+    config = configs[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build_random_model(
+    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> nn.Module:
+    """A causal LM from ``config`` with seeded weights, identical in every process: matrices
+    ~ N(0, 1/fan_in) (decisive routers, spread logits), norms ~ 1, DeepSeek-V3's correction
+    bias ~ N(0, 0.1²) so that it changes selections."""
+    hf = require_transformers()
+    model = hf.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                values = torch.randn(param.shape, generator=generator) / param.size(-1) ** 0.5
+            elif name.endswith("bias"):
+                values = 0.1 * torch.randn(param.shape, generator=generator)
+            else:
+                values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+            param.copy_(values)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(
+    name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> nn.Module:
+    """A random tiny model by architecture name, or a local checkpoint directory."""
+    hf = require_transformers()
+    if name_or_path in RANDOM_MODELS:
+        return build_random_model(
+            random_config(name_or_path), seed=seed, dtype=dtype, device=device
+        )
+    if Path(name_or_path).is_dir():
+        model = hf.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        return model.to(device).eval()
+    raise EPInputError(
+        "model", f"one of {', '.join(RANDOM_MODELS)} or a local checkpoint directory", name_or_path
+    )
+
+
+def eos_ids(model: nn.Module) -> list[int]:
+    """The model's end-of-sequence ids (config, then generation config); may be empty."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            return [value] if isinstance(value, int) else list(value)
+    return []

@@ -1,0 +1,292 @@
+"""``EPMoEBlock`` (a HF sparse-MoE block's router, ``route()``, an ``EPMoE`` shard and its shared
+experts) and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
+the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ep_runtime.config import MoEConfig
+from ep_runtime.integrations.transformers.architectures import (
+    SUPPORTED_BLOCKS,
+    RouterSettings,
+    UnsupportedMoEBlockError,
+    architecture_of,
+)
+from ep_runtime.layer import EPMoE
+from ep_runtime.routing import route
+from ep_runtime.types import EPInputError
+
+
+class EPMoEBlock(nn.Module):
+    """Drop-in for a HF sparse-MoE block: its router, ``route()``, ``EPMoE``, its shared experts.
+
+    ``forward`` takes and returns what the HF block does (``[B, S, H]`` → ``[B, S, H]``, or any
+    ``[..., H]``). Inference only: the all-to-all has no backward.
+    """
+
+    def __init__(
+        self,
+        gate: nn.Module,
+        ep: EPMoE,
+        router: RouterSettings,
+        shared_experts: nn.Module | None,
+        hf_class: str,
+    ) -> None:
+        super().__init__()
+        self.gate = gate  # the HF router module, unchanged (its weights, bias, hooks)
+        self.ep = ep
+        self.shared_experts = shared_experts
+        self.router = router
+        self.hf_class = hf_class
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
+        if self.training:
+            raise RuntimeError(
+                f"{self.hf_class} replaced by EPMoEBlock is inference-only (no backward through "
+                "the all-to-all): call model.eval()"
+            )
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1]).contiguous()  # [T, H]
+        router_logits = self.gate(x)[0]  # [T, E]
+        topk_ids, topk_weights = self.route(router_logits)  # [T, K] int32, [T, K] fp32
+        out = self.ep(x, topk_ids, topk_weights).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The HF router's top-k ids and weights, from its logits ``[T, E]``."""
+        settings = self.router
+        topk_ids, topk_weights = route(
+            router_logits,
+            settings.top_k,
+            scoring=settings.scoring,
+            renormalize=settings.renormalize,
+            correction_bias=self.gate.e_score_correction_bias
+            if settings.uses_correction_bias
+            else None,
+            num_expert_groups=settings.num_expert_groups,
+            num_topk_groups=settings.num_topk_groups,
+            routed_scaling_factor=settings.routed_scaling_factor,
+        )
+        if settings.weights_in_logits_dtype:
+            topk_weights = topk_weights.to(router_logits.dtype).float()
+        return topk_ids, topk_weights
+
+    def forward_idle(self) -> None:
+        """This rank's part of the block's collectives with no tokens of its own (T = 0): it
+        still serves its experts to the other ranks."""
+        hidden = self.ep.config.hidden_size
+        self(torch.empty(0, hidden, dtype=self.ep.dtype, device=self.ep.device))
+
+    def extra_repr(self) -> str:
+        return f"replaces {self.hf_class}, {self.router}"
+
+
+@dataclass(frozen=True)
+class PatchedBlock:
+    name: str  # qualified module name, e.g. "model.layers.1.mlp"
+    hf_class: str
+    module: EPMoEBlock
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_moe_blocks`` replaced, on this rank; also the handle for lockstep loops."""
+
+    blocks: list[PatchedBlock]  # in layer (execution) order
+    rank: int
+    world_size: int
+    num_experts: int
+    local_experts: range  # this rank's expert ids
+    expert_params_kept: int  # elements of this rank's expert shards, all blocks
+    expert_params_freed: int  # elements of the HF expert tensors released, all blocks
+    group: dist.ProcessGroup | None = field(repr=False, default=None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0].module.ep.device
+
+    @property
+    def choice(self) -> str:
+        """What "auto" picked for the EP layers (one line), and refusals below it."""
+        return self.blocks[0].module.ep.choice.describe()
+
+    def held_expert_bytes(self) -> int:
+        """Bytes of the expert weights the EP layers hold (distinct storages)."""
+        return sum(tensor_bytes(block.module.ep.experts) for block in self.blocks)
+
+    def forward_idle(self) -> None:
+        """Every EP block on zero tokens, in layer order: a rank with nothing to run this step
+        still takes part in each block's collectives."""
+        for block in self.blocks:
+            block.module.forward_idle()
+
+    def anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (one 1-element all-reduce)."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def describe(self) -> str:
+        classes = sorted({block.hf_class for block in self.blocks})
+        return (
+            f"{len(self.blocks)} {'/'.join(classes)} blocks → EPMoE on rank "
+            f"{self.rank}/{self.world_size}: experts [{self.local_experts.start}, "
+            f"{self.local_experts.stop}) of {self.num_experts}; expert parameters kept "
+            f"{self.expert_params_kept:,}, freed {self.expert_params_freed:,}; "
+            f"{self.choice.splitlines()[0]}"
+        )
+
+
+def tensor_bytes(obj: object) -> int:
+    """Bytes of the distinct storages behind the tensors among ``obj``'s attributes."""
+    storages: dict[int, int] = {}
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module with an ``experts`` child (outermost only), in module (layer) order."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if "experts" in dict(module.named_children()):
+            found.append((name, module))
+    return found
+
+
+def patch_moe_blocks(
+    model: nn.Module, group: dist.ProcessGroup | None = None, **layer_options: Any
+) -> PatchReport:
+    """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
+    (``None``: the default group if initialised, else a world of 1), keeping only this rank's
+    expert shard and freeing the HF expert tensors. ``layer_options`` go to ``EPMoE``
+    (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
+    the same model (it builds EP layers, which agree on backends collectively). Move and cast
+    the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
+    them where they are."""
+    found = find_moe_blocks(model)
+    if not found:
+        raise UnsupportedMoEBlockError(
+            "model", f"a model with sparse-MoE blocks ({SUPPORTED_BLOCKS})", type(model).__name__
+        )
+    plans = [(name, block, architecture_of(name, block)) for name, block in found]
+    routers = [(name, block, arch.read_router(block.gate)) for name, block, arch in plans]
+    patched: list[PatchedBlock] = []
+    kept = freed = 0
+    for name, block, router in routers:
+        w13, w2 = _fused_expert_weights(name, block)
+        num_experts, _, hidden = w13.shape
+        if not 1 <= router.top_k <= num_experts:
+            raise EPInputError(f"{name}.gate.top_k", f"in [1, {num_experts}]", router.top_k)
+        config = MoEConfig(
+            num_experts=num_experts,
+            top_k=router.top_k,
+            hidden_size=hidden,
+            intermediate_size=w2.size(2),
+            activation="silu",
+            dtype=w13.dtype,
+        )
+        options = {"device": w13.device, **layer_options}
+        ep = EPMoE(config, group=group, **options)
+        start, num_local = ep.placement.local_expert_offset, ep.placement.num_local_experts
+        with torch.no_grad():  # clone: a slice would keep the whole [E, ...] storage alive
+            ep.load_weights(
+                w13[start : start + num_local].detach().clone(),  # [L, 2I, H]
+                w2[start : start + num_local].detach().clone(),  # [L, H, I]
+            )
+        replacement = EPMoEBlock(
+            gate=block.gate,
+            ep=ep,
+            router=router,
+            shared_experts=getattr(block, "shared_experts", None),
+            hf_class=type(block).__name__,
+        ).train(block.training)
+        per_expert = w13[0].numel() + w2[0].numel()
+        kept += num_local * per_expert
+        freed += num_experts * per_expert
+        del w13, w2
+        _set_submodule(model, name, replacement)
+        _release_experts(block.experts)
+        patched.append(PatchedBlock(name, type(block).__name__, replacement))
+    first = patched[0].module.ep
+    return PatchReport(
+        blocks=patched,
+        rank=first.comm.rank,
+        world_size=first.comm.world_size,
+        num_experts=first.config.num_experts,
+        local_experts=range(
+            first.placement.local_expert_offset,
+            first.placement.local_expert_offset + first.placement.num_local_experts,
+        ),
+        expert_params_kept=kept,
+        expert_params_freed=freed,
+        group=first.comm.group,
+    )
+
+
+def _fused_expert_weights(name: str, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_proj [E, 2I, H]`` (rows ``[gate; up]``) and ``down_proj [E, H, I]``, checked
+    to be the layout and activation ``EPMoE`` computes: ``down · (silu(gate·x) * up·x)``."""
+    experts = block.experts
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    fused = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+    if not fused or w13.dim() != 3 or w2.dim() != 3:
+        raise UnsupportedMoEBlockError(
+            f"{name}.experts",
+            "fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] tensors",
+            type(experts).__name__,
+        )
+    num_experts, two_i, hidden = w13.shape
+    expected_w2 = (num_experts, hidden, two_i // 2)
+    if two_i % 2 or tuple(w2.shape) != expected_w2:
+        raise UnsupportedMoEBlockError(
+            f"{name}.experts.down_proj",
+            f"shape {list(expected_w2)} for gate_up_proj {list(w13.shape)}",
+            list(w2.shape),
+        )
+    layout_flags = {
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_bias": False,
+        "has_post_expert_norm": False,
+    }
+    for flag, expected in layout_flags.items():
+        if getattr(experts, flag, expected) != expected:
+            raise UnsupportedMoEBlockError(
+                f"{name}.experts.{flag}", str(expected), getattr(experts, flag)
+            )
+    if w13.dtype not in (torch.float32, torch.bfloat16):
+        raise EPInputError(f"{name}.experts dtype", "torch.float32 or torch.bfloat16", w13.dtype)
+    probe = torch.linspace(-4.0, 4.0, 17, dtype=torch.float32)
+    if not torch.allclose(experts.act_fn(probe), F.silu(probe)):
+        raise UnsupportedMoEBlockError(
+            f"{name}.experts.act_fn", "SiLU (EPMoE's gated 'silu')", type(experts.act_fn).__name__
+        )
+    return w13, w2
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _release_experts(experts: nn.Module) -> None:
+    """Drop the HF expert tensors, so that a reference to the old block cannot keep them."""
+    for param_name in list(experts._parameters):
+        delattr(experts, param_name)

@@ -1,0 +1,155 @@
+"""``LayerSpec``: every option an ``EPMoE`` is built with, checked and resolved, in one object.
+
+The dispatch setup, the experts setup and the settings every rank must agree on (with their
+fingerprint, carried in each forward's header) are all derived from it. The settings are read
+from the spec's fields (a nested dataclass, the ``MoEConfig``, by each of its fields), so an
+option added to the spec, or to ``MoEConfig``, is agreed between ranks without further code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from ep_runtime.comm import Comm
+from ep_runtime.config import MoEConfig
+from ep_runtime.dispatch.base import DispatchSetup
+from ep_runtime.dispatch.protocol import fingerprint_of
+from ep_runtime.experts.base import ExpertsSetup
+from ep_runtime.placement import ExpertPlacement
+from ep_runtime.types import DispatchMode, EPInputError, TopkLayout
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer's options. ``config`` is the caller's ``MoEConfig`` with the compute dtype
+    resolved for the device and ``max_tokens_per_rank`` set to the layer's cap (the one place
+    the cap lives). A field left ``None`` means "auto" (the only one: the layout request)."""
+
+    config: MoEConfig
+    mode: DispatchMode
+    layout: TopkLayout | None  # requested; None = the experts backend's preferred one
+    dispatcher: str  # a registered name or "auto"
+    experts: str  # a registered name or "auto"
+    poison: bool = False  # debug: NaN in padding rows, filler and the output before it is written
+
+    @classmethod
+    def of(
+        cls,
+        config: MoEConfig,
+        device: torch.device,
+        *,
+        dispatcher: str = AUTO,
+        experts: str = AUTO,
+        layout: TopkLayout | str = AUTO,
+        mode: DispatchMode | str = "exact",
+        max_tokens_per_rank: int | None = None,
+        poison: bool = False,
+    ) -> LayerSpec:
+        """The spec of ``EPMoE``'s arguments on ``device``; ``EPInputError`` naming a bad one."""
+        try:
+            checked_mode = DispatchMode(mode)
+        except ValueError:
+            raise EPInputError("mode", "'exact' or 'capacity'", mode) from None
+        try:
+            requested_layout = None if layout == AUTO else TopkLayout(layout)
+        except ValueError:
+            raise EPInputError("layout", "'auto', 'standard' or 'expanded'", layout) from None
+        cap = config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            raise EPInputError("max_tokens_per_rank", "a positive int", cap)
+        resolved = dataclasses.replace(
+            config, dtype=config.resolve_dtype(device), max_tokens_per_rank=cap
+        )
+        return cls(
+            config=resolved,
+            mode=checked_mode,
+            layout=requested_layout,
+            dispatcher=dispatcher,
+            experts=experts,
+            poison=poison,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (resolved: never ``None``)."""
+        assert self.config.dtype is not None
+        return self.config.dtype
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        return self.config.max_tokens_per_rank
+
+    def dispatch_setup(self, comm: Comm) -> DispatchSetup:
+        return DispatchSetup(
+            comm=comm,
+            num_experts=self.config.num_experts,
+            hidden_size=self.config.hidden_size,
+            max_top_k=self.config.top_k,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            dtype=self.dtype,
+            mode=self.mode,
+            poison=self.poison,
+        )
+
+    def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:
+        return ExpertsSetup(
+            self.config, placement, device, self.dtype, max_tokens_per_rank=self.max_tokens_per_rank
+        )
+
+    def settings(self) -> dict[str, str]:
+        """What every rank must agree on: each field as text, a nested dataclass's fields in its
+        place (``hidden_size``, not ``config.hidden_size``), in field order."""
+        return _settings_of(self)
+
+    def fingerprint(self) -> int:
+        """The 31-bit hash of ``settings()`` that each forward's header carries."""
+        return fingerprint_of(self.settings())
+
+
+def _settings_of(obj: object) -> dict[str, str]:
+    settings: dict[str, str] = {}
+    for spec_field in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, spec_field.name)
+        nested = (
+            _settings_of(value)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type)
+            else {spec_field.name: _as_text(value)}
+        )
+        clash = settings.keys() & nested.keys()
+        if clash:
+            raise TypeError(f"{type(obj).__name__}: setting names {sorted(clash)} appear twice")
+        settings.update(nested)
+    return settings
+
+
+def _as_text(value: object) -> str:
+    if value is None:
+        return AUTO
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value)
+
+
+def checked_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` this torch can use (a bare ``cuda``: the current one);
+    ``None`` stays ``None`` (the group's default device)."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EPInputError("device", "a torch device such as 'cpu' or 'cuda:0'", device) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EPInputError(
+            "device",
+            f"a device this torch can use (torch {torch.__version__} has no usable CUDA)",
+            device,
+        )
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
