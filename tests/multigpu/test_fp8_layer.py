@@ -65,7 +65,9 @@ def run(pool, spec: CaseSpec, **options):
     return results
 
 
-@pytest.mark.parametrize(("experts", "world_size", "layout", "mode", "activation"), fp8_matrix())
+@pytest.mark.parametrize(
+    ("experts", "world_size", "layout", "mode", "activation"), list(fp8_matrix())
+)
 def test_fp8_layer_matches_the_oracle(pool_factory, experts, world_size, layout, mode, activation):
     spec = fp8_spec(
         experts=experts, layout=layout, mode=mode, activation=activation, num_experts=12
