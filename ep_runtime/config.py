@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ep_runtime.quantization import Quantization, check_block_shapes, parse_quantization
 from ep_runtime.types import Activation, EPInputError
 
 DEFAULT_MAX_TOKENS_PER_RANK = 256
@@ -18,6 +19,8 @@ class MoEConfig:
 
     ``top_k`` is the *maximum* K: it sizes buffers; the K in force is ``topk_ids.size(1)``.
     ``dtype`` is the compute dtype; ``None`` means bf16 on CUDA and fp32 on CPU.
+    ``quantization``: how expert weights are stored (``None``: the compute dtype;
+    ``"fp8_block"``: e4m3 with 128×128 block scales, ep_runtime/quantization.py).
     """
 
     num_experts: int
@@ -27,6 +30,7 @@ class MoEConfig:
     activation: Activation | str = Activation.SILU
     dtype: torch.dtype | None = None
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+    quantization: Quantization | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
@@ -46,6 +50,10 @@ class MoEConfig:
         object.__setattr__(self, "activation", activation)
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise EPInputError("dtype", "torch.bfloat16 or torch.float32 (or None)", self.dtype)
+        quantization = parse_quantization(self.quantization)
+        object.__setattr__(self, "quantization", quantization)
+        if quantization is Quantization.FP8_BLOCK:
+            check_block_shapes(self.hidden_size, self.intermediate_size)
 
     @property
     def w13_rows(self) -> int:

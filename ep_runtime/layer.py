@@ -20,6 +20,7 @@ from ep_runtime.dispatch.base import LayerIdentity, acquire_dispatcher, release_
 from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import Fp8BlockWeights, check_weight_quantization
 from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
     BackendUnavailableError,
@@ -117,24 +118,46 @@ class EPMoE(torch.nn.Module):
     def device(self) -> torch.device:
         return self.comm.device
 
-    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Global ``[E, …]`` weights are sliced to this rank's shard; local ``[L, …]`` taken as is.
-        Cast once to the compute dtype and handed to the experts backend for conversion."""
+    def load_weights(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale_inv: torch.Tensor | None = None,
+        w2_scale_inv: torch.Tensor | None = None,
+    ) -> None:
+        """Global ``[E, …]`` weights (and fp8 block scales) are sliced to this rank's shard;
+        local ``[L, …]`` taken as is. Cast once to the compute dtype (fp8 weights stay e4m3) and
+        handed to the experts backend for conversion."""
         self._check_open()
         num_local = self.placement.num_local_experts
         num_experts = self.config.num_experts
-        if w13.dim() == 3 and w13.size(0) == num_experts and num_experts != num_local:
-            start = self.placement.local_expert_offset
-            w13, w2 = w13[start : start + num_local], w2[start : start + num_local]
+        start = self.placement.local_expert_offset
+
+        def shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            is_global = isinstance(tensor, torch.Tensor) and tensor.dim() == 3
+            if is_global and tensor.size(0) == num_experts and num_experts != num_local:
+                return tensor[start : start + num_local]
+            return tensor
+
+        w13, w2 = shard(w13), shard(w2)
+        w13_scale_inv, w2_scale_inv = shard(w13_scale_inv), shard(w2_scale_inv)
         if w13.dim() != 3 or w13.size(0) != num_local:
             raise EPInputError(
                 "w13", f"[E={num_experts}, ...] or [L={num_local}, ...] experts", list(w13.shape)
             )
         check_expert_weights(w13, w2, self.config, num_local)
-        cast = {"device": self.device, "dtype": self.dtype}
-        self.experts.load_weights(
-            w13.detach().to(**cast).contiguous(), w2.detach().to(**cast).contiguous()
-        )
+        quantization = self.config.quantization
+        check_weight_quantization(quantization, w13, w2, w13_scale_inv, w2_scale_inv)
+        if quantization is None:
+            cast = {"device": self.device, "dtype": self.dtype}
+            self.experts.load_weights(
+                w13.detach().to(**cast).contiguous(), w2.detach().to(**cast).contiguous()
+            )
+        else:
+            assert w13_scale_inv is not None and w2_scale_inv is not None
+            shard_weights = Fp8BlockWeights(w13, w13_scale_inv, w2, w2_scale_inv)
+            self.experts.load_quantized_weights(shard_weights.to(self.device))
         self._weights_loaded = True
 
     @torch.no_grad()

@@ -22,17 +22,21 @@ from ep_runtime.placement import ExpertPlacement
 from ep_runtime.types import DispatchMode, EPInputError, TopkLayout
 
 AUTO = "auto"
+NONE_TEXT = "none_text"  # field metadata: how a None value reads in the settings
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """One layer's options. ``config`` is the caller's ``MoEConfig`` with the compute dtype
     resolved for the device and ``max_tokens_per_rank`` set to the layer's cap (the one place
-    the cap lives). A field left ``None`` means "auto" (the only one: the layout request)."""
+    the cap lives). A field left ``None`` reads "none" in the settings unless its metadata names
+    another word (the layout request: "auto")."""
 
     config: MoEConfig
     mode: DispatchMode
-    layout: TopkLayout | None  # requested; None = the experts backend's preferred one
+    layout: TopkLayout | None = dataclasses.field(  # requested; None = the backend's preferred
+        metadata={NONE_TEXT: AUTO}
+    )
     dispatcher: str  # a registered name or "auto"
     experts: str  # a registered name or "auto"
     poison: bool = False  # debug: NaN in padding rows, filler and the output before it is written
@@ -118,7 +122,7 @@ def _settings_of(obj: object) -> dict[str, str]:
         nested = (
             _settings_of(value)
             if dataclasses.is_dataclass(value) and not isinstance(value, type)
-            else {spec_field.name: _as_text(value)}
+            else {spec_field.name: _as_text(value, spec_field.metadata.get(NONE_TEXT, "none"))}
         )
         clash = settings.keys() & nested.keys()
         if clash:
@@ -127,9 +131,9 @@ def _settings_of(obj: object) -> dict[str, str]:
     return settings
 
 
-def _as_text(value: object) -> str:
+def _as_text(value: object, none_text: str) -> str:
     if value is None:
-        return AUTO
+        return none_text
     if isinstance(value, enum.Enum):
         return str(value.value)
     return str(value)

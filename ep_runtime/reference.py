@@ -7,19 +7,21 @@ import torch
 import torch.nn.functional as F
 
 
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(h)`` for GEMM1 outputs ``h [N, 2I]`` (``[gate | up]``, ``"silu"``) or ``[N, I]``."""
+    if activation == "silu":
+        intermediate = h.shape[1] // 2
+        return F.silu(h[:, :intermediate]) * h[:, intermediate:]
+    if activation == "relu2":
+        return torch.relu(h).square()
+    raise ValueError(f"activation: expected 'silu' or 'relu2', given {activation!r}")
+
+
 def expert_ffn(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """``w2 · act(w13 · x)`` for rows ``x [N, H]`` of one expert; ``w13`` is ``[gate; up]``."""
-    h = x @ w13.T
-    if activation == "silu":
-        intermediate = w13.shape[0] // 2
-        h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
-    elif activation == "relu2":
-        h = torch.relu(h).square()
-    else:
-        raise ValueError(f"activation: expected 'silu' or 'relu2', given {activation!r}")
-    return h @ w2.T
+    return activate(x @ w13.T, activation) @ w2.T
 
 
 def reference_moe(

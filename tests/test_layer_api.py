@@ -99,6 +99,7 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
             "dispatcher": options.get("dispatcher", "auto"),
             "experts": options.get("experts", "auto"),
             "poison": str(options.get("poison", False)),
+            "quantization": "none",
         }
         assert layer.spec.settings() == expected
         assert layer.identity.fingerprint == fingerprint_of(expected)

@@ -16,6 +16,7 @@ import torch
 
 from ep_runtime.config import MoEConfig
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
 from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
 
@@ -28,6 +29,7 @@ class ExpertsCapabilities:
     layouts: frozenset[TopkLayout]
     preferred_layout: TopkLayout
     cuda_archs: frozenset[int] | None = None  # allowed SM majors*10+minor; None = any
+    quantizations: frozenset[Quantization | None] = frozenset({None})  # None = compute dtype
     description: str = ""
 
 
@@ -86,6 +88,10 @@ class Experts(abc.ABC):
         if activation not in caps.activations:
             supported = sorted(a.value for a in caps.activations)
             return f"supports activations {supported}, not {activation.value}"
+        if setup.config.quantization not in caps.quantizations:
+            supported = sorted(str(getattr(q, "value", q)) for q in caps.quantizations)
+            given = getattr(setup.config.quantization, "value", None)
+            return f"supports quantizations {supported}, not {given}"
         if layout is not None and layout not in caps.layouts:
             return f"supports layouts {sorted(x.value for x in caps.layouts)}, not {layout.value}"
         return cls.unavailable_reason(setup)
@@ -99,6 +105,11 @@ class Experts(abc.ABC):
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Take this rank's shard, ``w13 [L, 2I or I, H]`` and ``w2 [L, H, I]`` in the compute
         dtype, and convert once to whatever layout the kernel wants."""
+
+    def load_quantized_weights(self, weights: Fp8BlockWeights) -> None:
+        """Take this rank's fp8 block-scaled shard (on the device, checked). Only backends whose
+        capabilities list the config's quantization are chosen, so only they implement it."""
+        raise NotImplementedError(f"experts backend {self.name!r} takes no quantized weights")
 
     @abc.abstractmethod
     def forward(self, dispatched: Dispatched) -> torch.Tensor:

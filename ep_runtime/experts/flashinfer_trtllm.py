@@ -11,8 +11,9 @@ blocks). This is the recipe of FlashInfer 0.7.2.post1's ``prepare_trtllm_bf16_we
 plain torch (one gather per tensor, any device); a test checks it bitwise against that helper.
 
 TRTLLM variants with quantised weights (fp8 block scale, fp4) subclass this class: they set
-``kernel_name`` and override ``prepare_weights`` to return their weights and scale arguments in
-``TrtllmWeights.kernel_args``; the call in ``forward`` stays the one below.
+``kernel_name``, return their weights and scale arguments in ``TrtllmWeights.kernel_args`` and
+their quantised activations from ``activation_args``; the call in ``forward`` stays the one
+below.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ class FlashInferTrtllmExperts(Experts):
             intermediate_size=intermediate,
         )
 
+    def activation_args(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The kernel's activation arguments for ``hidden_states [R, H]`` (R > 0); quantised
+        variants return their quantised rows and scales."""
+        return {"hidden_states": hidden_states}
+
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden_states = dispatched.hidden_states.contiguous()  # [R, H]
         out = torch.empty_like(hidden_states)  # the kernel writes every row
@@ -154,7 +160,7 @@ class FlashInferTrtllmExperts(Experts):
         placement = self.placement
         trtllm_kernel(self.kernel_name)(
             topk_ids=(ids, weights),
-            hidden_states=hidden_states,
+            **self.activation_args(hidden_states),
             gemm1_weights=self.weights.gemm1,
             gemm2_weights=self.weights.gemm2,
             num_experts=placement.num_experts,

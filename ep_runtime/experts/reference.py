@@ -1,12 +1,40 @@
-"""The slow, obviously-right experts: a loop over local experts in fp32, any device."""
+"""The slow, obviously-right experts: a loop over local experts in fp32, any device.
+
+With fp8 block-scaled weights (``quantization="fp8_block"``) it is the plain-torch twin of the
+fp8 kernels, exactly the contract of ep_runtime/quantization.py: GEMM1 consumes ``q(x)``, GEMM2
+``q(act(GEMM1))``, both dequantized (``q.float()·s``) against dequantized weights, accumulation
+and the activation in fp32, the router weight applied to GEMM2's fp32 output.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ep_runtime.experts.base import EXPERTS, Experts, ExpertsCapabilities
-from ep_runtime.reference import expert_ffn
+from ep_runtime.quantization import (
+    Fp8BlockWeights,
+    Quantization,
+    dequantize_activations,
+    dequantize_weight_blocks,
+    quantize_activations,
+)
+from ep_runtime.reference import activate, expert_ffn
 from ep_runtime.types import Activation, Dispatched, TopkLayout
+
+
+def fp8_block_expert_ffn(
+    x: torch.Tensor,  # [N, H] compute dtype
+    w13: torch.Tensor,  # [2I | I, H] e4m3
+    w13_scale_inv: torch.Tensor,  # [2I/128 | I/128, H/128] fp32
+    w2: torch.Tensor,  # [H, I] e4m3
+    w2_scale_inv: torch.Tensor,  # [H/128, I/128] fp32
+    activation: str,
+) -> torch.Tensor:
+    """``[N, H]`` fp32: ``w2 · q(act(w13 · q(x)))`` for one expert, the fp8 contract."""
+    x_q = dequantize_activations(*quantize_activations(x))
+    h = x_q @ dequantize_weight_blocks(w13, w13_scale_inv).T  # [N, 2I | I] fp32
+    a_q = dequantize_activations(*quantize_activations(activate(h, activation)))
+    return a_q @ dequantize_weight_blocks(w2, w2_scale_inv).T
 
 
 @EXPERTS.register
@@ -21,13 +49,34 @@ class ReferenceExperts(Experts):
         activations=frozenset(Activation),
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.STANDARD,
-        description="torch loop over local experts, fp32",
+        quantizations=frozenset({None, Quantization.FP8_BLOCK}),
+        description="torch loop over local experts, fp32 (fp8 block scales: dequantized)",
     )
     auto_priority = 0
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         self.w13 = w13  # [L, 2I | I, H]
         self.w2 = w2  # [L, H, I]
+        self.fp8: Fp8BlockWeights | None = None
+
+    def load_quantized_weights(self, weights: Fp8BlockWeights) -> None:
+        self.fp8 = weights  # kept in e4m3: dequantized one expert at a time
+
+    def expert_output(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` fp32 FFN output of local ``expert`` for ``rows [N, H]``."""
+        if self.fp8 is not None:
+            w = self.fp8
+            return fp8_block_expert_ffn(
+                rows,
+                w.w13[expert],
+                w.w13_scale_inv[expert],
+                w.w2[expert],
+                w.w2_scale_inv[expert],
+                self.activation.value,
+            )
+        return expert_ffn(
+            rows.float(), self.w13[expert].float(), self.w2[expert].float(), self.activation.value
+        )
 
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden = dispatched.hidden_states  # [R, H]
@@ -40,12 +89,6 @@ class ReferenceExperts(Experts):
             rows, slots = (local == expert).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = expert_ffn(
-                hidden[rows].float(),
-                self.w13[expert].float(),
-                self.w2[expert].float(),
-                self.activation.value,
-            )
             weights = dispatched.topk_weights[rows, slots].float().unsqueeze(1)
-            per_slot[rows, slots] = weights * y
+            per_slot[rows, slots] = weights * self.expert_output(expert, hidden[rows])
         return per_slot.sum(1).to(hidden.dtype)

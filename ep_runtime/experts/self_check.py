@@ -22,7 +22,9 @@ import torch
 
 from ep_runtime.config import MoEConfig
 from ep_runtime.experts.base import Experts, ExpertsSetup
+from ep_runtime.experts.reference import ReferenceExperts
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import BLOCK, Fp8BlockWeights, Quantization, quantize_weight_blocks
 from ep_runtime.reference import reference_moe
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import Activation, Dispatched, TopkLayout
@@ -37,8 +39,11 @@ CHECK_TOP_K = 3
 CHECK_HIDDEN = 128
 CHECK_INTERMEDIATE = 96  # not a multiple of 128: TRTLLM's padding is exercised
 CHECK_TOKENS = 12
+# fp8 block scales: the blocks tile I, and TRTLLM's fp8 routing needs E % 4 == 0 (offset still 2)
+FP8_CHECK_SHAPE = dict(num_experts=8, world_size=4, intermediate=BLOCK)
 
-_results: dict[tuple[str, str, Activation], str | None] = {}  # None = passed, else why not
+# (backend, device, activation, quantization) -> None = passed, else why not
+_results: dict[tuple[str, str, Activation, Quantization | None], str | None] = {}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class CheckProblem:
     w13: torch.Tensor  # [L, 2I | I, H] local experts, [gate; up] when gated
     w2: torch.Tensor  # [L, H, I]
     reference: torch.Tensor  # [R, H] float32: reference_moe on the dispatched rows
+    fp8: Fp8BlockWeights | None = None  # quantization="fp8_block": w13, w2 quantized per block
 
 
 def check_setup(
@@ -62,6 +68,7 @@ def check_setup(
     top_k: int = CHECK_TOP_K,
     hidden: int = CHECK_HIDDEN,
     intermediate: int = CHECK_INTERMEDIATE,
+    quantization: Quantization | None = None,
 ) -> ExpertsSetup:
     """A bf16 ``ExpertsSetup`` for virtual rank ``rank`` of ``world_size``."""
     config = MoEConfig(
@@ -71,6 +78,7 @@ def check_setup(
         intermediate_size=intermediate,
         activation=activation,
         dtype=torch.bfloat16,
+        quantization=quantization,
     )
     placement = ExpertPlacement(num_experts, rank, world_size)
     return ExpertsSetup(config, placement, device, torch.bfloat16)
@@ -84,7 +92,8 @@ def make_check_problem(
     STANDARD: ``[T, K]`` global ids mixing local, non-local and -1 slots; row ``T // 2`` is
     padding (all -1, hidden NaN). EXPANDED: one row per (token, local slot), grouped by local
     expert, each group followed by one padding row (offsets include it). Weights are distinct,
-    unnormalised, NaN on -1 slots.
+    unnormalised, NaN on -1 slots. With fp8 block quantization the weights are quantized per
+    block and the oracle is the fp8 contract's plain-torch twin (the ``reference`` experts).
     """
     config, placement = setup.config, setup.placement
     dtype, device = setup.dtype, setup.device
@@ -116,7 +125,6 @@ def make_check_problem(
         offsets = None
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     local_ids = torch.where(served, local, -1)
-    reference = reference_moe(x, local_ids, weights, w13, w2, config.activation)
     dispatched = Dispatched(
         hidden_states=x.to(device),
         topk_ids=ids.to(torch.int32).to(device),
@@ -124,7 +132,14 @@ def make_check_problem(
         layout=layout,
         expert_offsets=None if offsets is None else offsets.to(device),
     )
-    return CheckProblem(setup, dispatched, w13.to(device), w2.to(device), reference)
+    if config.quantization is None:
+        reference = reference_moe(x, local_ids, weights, w13, w2, config.activation)
+        return CheckProblem(setup, dispatched, w13.to(device), w2.to(device), reference)
+    fp8 = Fp8BlockWeights(*quantize_weight_blocks(w13), *quantize_weight_blocks(w2)).to(device)
+    twin = ReferenceExperts(setup)  # the fp8 contract's plain-torch twin
+    twin.load_quantized_weights(fp8)
+    reference = twin.forward(dispatched).float().cpu()
+    return CheckProblem(setup, dispatched, w13.to(device), w2.to(device), reference, fp8)
 
 
 def _expand(
@@ -161,7 +176,10 @@ def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
     for layout in TopkLayout:
         problem = make_check_problem(setup, layout)
         backend = cls(setup)
-        backend.load_weights(problem.w13, problem.w2)
+        if problem.fp8 is None:
+            backend.load_weights(problem.w13, problem.w2)
+        else:
+            backend.load_quantized_weights(problem.fp8)
         result = backend.forward(problem.dispatched)
         served = (problem.dispatched.topk_ids >= 0).any(dim=1).cpu()
         hidden = problem.dispatched.hidden_states.size(1)
@@ -169,8 +187,9 @@ def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
         comparison = compare_per_token(result.cpu()[served], problem.reference[served], tolerance)
         if not comparison.passed:
             c = setup.config
+            oracle = "reference_moe" if problem.fp8 is None else "the fp8 twin"
             return (
-                f"self-check against reference_moe failed ({layout.value} layout, virtual rank "
+                f"self-check against {oracle} failed ({layout.value} layout, virtual rank "
                 f"{setup.placement.rank} of {setup.placement.world_size}, E={c.num_experts}, "
                 f"H={c.hidden_size}, I={c.intermediate_size}, {c.activation.value}): "
                 f"{comparison.describe()}"
@@ -179,18 +198,24 @@ def check_backend(cls: type[Experts], setup: ExpertsSetup) -> str | None:
 
 
 def self_check_refusal(
-    cls: type[Experts], device: torch.device, activation: Activation
+    cls: type[Experts],
+    device: torch.device,
+    activation: Activation,
+    quantization: Quantization | None = None,
 ) -> str | None:
-    """Why ``cls`` fails its self-check here (run once per backend, device and activation in
-    this process), or None."""
+    """Why ``cls`` fails its self-check here (run once per backend, device, activation and
+    quantization in this process), or None."""
     if os.environ.get(SKIP_ENV) == "1":
         return None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (cls.name, str(device), activation)
+    key = (cls.name, str(device), activation, quantization)
     if key not in _results:
         try:
-            failure = check_backend(cls, check_setup(activation, device))
+            shape = (
+                {} if quantization is None else {**FP8_CHECK_SHAPE, "quantization": quantization}
+            )
+            failure = check_backend(cls, check_setup(activation, device, **shape))
         except Exception as error:  # a kernel that raises is refused like a wrong one
             failure = f"self-check raised {type(error).__name__}: {error}"
         _results[key] = None if failure is None else f"{failure} (set {SKIP_ENV}=1 to skip it)"

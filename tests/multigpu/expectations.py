@@ -8,7 +8,13 @@ import importlib.util
 
 import torch
 
-CUDA_ONLY = ("deepep_v2", "flashinfer_trtllm", "flashinfer_cutlass", "torch_symm_mem")
+CUDA_ONLY = (
+    "deepep_v2",
+    "flashinfer_trtllm",
+    "flashinfer_trtllm_fp8",
+    "flashinfer_cutlass",
+    "torch_symm_mem",
+)
 
 
 def _nvshmem_available() -> bool:
@@ -38,7 +44,7 @@ def expected_refusal(
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if backend == "flashinfer_trtllm":
+    if backend in ("flashinfer_trtllm", "flashinfer_trtllm_fp8"):
         if arch not in (100, 103):
             return r"needs SM \[100, 103\]"
         return None if has_flashinfer else r"flashinfer is not importable"
