@@ -6,7 +6,7 @@ import math
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from ep_runtime.dispatch.base import (
 )
 from ep_runtime.dispatch.peers import PeerIdentity
 from ep_runtime.dispatch.protocol import fingerprint_of
+from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport
 from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup, check_expert_weights
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.types import (
@@ -218,6 +219,10 @@ class EPMoE(torch.nn.Module):
     ``group=None`` uses the default process group if initialised, else a world of 1. Rank r owns
     experts ``[r·L, (r+1)·L)``. In exact mode T may exceed the cap (processed in chunks); in
     capacity mode T must fit it and nothing syncs with the host.
+
+    ``num_redundant_experts=R``: ``E + R`` physical slots, ``S = (E + R) / W`` per rank, the
+    placement (``layer.placement``) mapping logical ids to slots before dispatch and rebalanced
+    by ``rebalance()`` (every ``eplb_interval`` forwards if set); docs/eplb.md.
     """
 
     def __init__(
@@ -232,6 +237,8 @@ class EPMoE(torch.nn.Module):
         *,
         device: torch.device | str | None = None,
         poison: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_interval: int | None = None,
     ) -> None:
         super().__init__()
         try:
@@ -249,14 +256,19 @@ class EPMoE(torch.nn.Module):
             raise EPInputError("max_tokens_per_rank", "a positive int", capacity)
         self.config = config
         self.comm = Comm.create(group, _checked_device(device))
-        self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
+        self.eplb = ExpertBalancer(
+            self.comm, config.num_experts, num_redundant_experts, eplb_interval
+        )
+        num_slots = self.eplb.placement.num_physical  # backends see physical slots
+        slot_config = replace(config, num_experts=num_slots)
+        slot_placement = ExpertPlacement(num_slots, self.comm.rank, self.comm.world_size)
         self.dtype = config.resolve_dtype(self.comm.device)
         self.max_tokens_per_rank = capacity
         self.poison = poison
         self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
         dispatch_setup = DispatchSetup(
             comm=self.comm,
-            num_experts=config.num_experts,
+            num_experts=num_slots,
             hidden_size=config.hidden_size,
             max_top_k=config.top_k,
             max_tokens_per_rank=capacity,
@@ -266,7 +278,7 @@ class EPMoE(torch.nn.Module):
         )
         self.checks_on_device = dispatch_setup.checks_on_device
         experts_setup = ExpertsSetup(
-            config, self.placement, self.comm.device, self.dtype, max_tokens_per_rank=capacity
+            slot_config, slot_placement, self.comm.device, self.dtype, max_tokens_per_rank=capacity
         )
         try:
             chosen = choose_backends(
@@ -287,9 +299,12 @@ class EPMoE(torch.nn.Module):
             "dispatcher": dispatcher,
             "experts": experts,
             "poison": str(poison),
+            "num_redundant_experts": str(num_redundant_experts),
+            "eplb_interval": str(eplb_interval),
         }
         peer_setup = agree_on_build(self.comm, settings, chosen)
         assert not isinstance(chosen, BackendUnavailableError)
+        self.eplb.bind_hosts([identity.host for identity in peer_setup.identities])
         dispatcher_cls, experts_cls, self.choice = chosen
         self.layout = self.choice.layout
         self.experts = experts_cls(experts_setup)
@@ -303,25 +318,37 @@ class EPMoE(torch.nn.Module):
     def device(self) -> torch.device:
         return self.comm.device
 
+    @property
+    def placement(self) -> PlacementMap:
+        """Where every logical expert lives (the same on every rank)."""
+        return self.eplb.placement
+
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Global ``[E, …]`` weights are sliced to this rank's shard; local ``[L, …]`` taken as is.
-        Cast once to the compute dtype and handed to the experts backend for conversion."""
+        """Global ``[E, …]`` weights: this rank keeps its slots' experts; ``[S, …]`` (without
+        redundancy: the local ``[L, …]`` shard) taken as is. Cast once to the compute dtype and
+        handed to the experts backend for conversion."""
         self._check_open()
-        num_local = self.placement.num_local_experts
-        num_experts = self.config.num_experts
-        if w13.dim() == 3 and w13.size(0) == num_experts and num_experts != num_local:
-            start = self.placement.local_expert_offset
-            w13, w2 = w13[start : start + num_local], w2[start : start + num_local]
-        if w13.dim() != 3 or w13.size(0) != num_local:
-            raise EPInputError(
-                "w13", f"[E={num_experts}, ...] or [L={num_local}, ...] experts", list(w13.shape)
-            )
-        check_expert_weights(w13, w2, self.config, num_local)
+        slot13, slot2 = self.eplb.select_weights(w13, w2)
+        check_expert_weights(slot13, slot2, self.config, self.eplb.slots_per_rank)
         cast = {"device": self.device, "dtype": self.dtype}
-        self.experts.load_weights(
-            w13.detach().to(**cast).contiguous(), w2.detach().to(**cast).contiguous()
-        )
+        slot13 = slot13.detach().to(**cast).contiguous()
+        slot2 = slot2.detach().to(**cast).contiguous()
+        self.experts.load_weights(slot13, slot2)
+        self.eplb.keep_weights(slot13, slot2, given=(w13, w2))
         self._weights_loaded = True
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """``[E + R]`` int64 (token, slot) counts per physical slot, summed over ranks since
+        the last reset (or rebalance). Collective: every rank calls it between forwards."""
+        self._check_open()
+        return self.eplb.expert_load(reset)
+
+    def rebalance(self, load: torch.Tensor | None = None) -> RebalanceReport:
+        """Rebalance from ``load`` (``[E + R]`` per slot or ``[E]`` per expert; None: the
+        counts since the last reset), moving only the weights that change rank. Collective:
+        every rank calls it between forwards; all switch to the new map or all raise."""
+        self._check_open()
+        return self.eplb.rebalance(load, self.experts.load_weights)
 
     @torch.no_grad()
     def forward(
@@ -337,6 +364,7 @@ class EPMoE(torch.nn.Module):
         if failure is not None:  # every rank learns it in the first collective
             self._forward_chunk(x, topk_ids, topk_weights, None, 1, failure)
             raise failure
+        topk_ids = self.eplb.to_physical(topk_ids)
         if out is None:
             out = torch.empty_like(x)
         if self.poison:
@@ -344,6 +372,7 @@ class EPMoE(torch.nn.Module):
         num_tokens, cap = x.size(0), self.max_tokens_per_rank
         if self.mode is DispatchMode.CAPACITY:
             self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            self.eplb.forward_done(self.experts.load_weights)
             return out
         num_local_chunks = max(1, math.ceil(num_tokens / cap))
         chunk, num_chunks = 0, 1
@@ -353,6 +382,7 @@ class EPMoE(torch.nn.Module):
                 x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks, None
             )
             chunk += 1
+        self.eplb.forward_done(self.experts.load_weights)
         return out
 
     def _input_error(
