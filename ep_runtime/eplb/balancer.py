@@ -83,6 +83,13 @@ class ExpertBalancer:
         """The logical expert of each of this rank's slots."""
         return self.placement.experts_on_rank(self.comm.rank)
 
+    @property
+    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``w13 [S, rows, H]`` and ``w2 [S, H, I]``, in slot order."""
+        if self._w13 is None or self._w2 is None:
+            raise RuntimeError("EPMoE.load_weights() has not been called")
+        return self._w13, self._w2
+
     def select_weights(
         self, w13: torch.Tensor, w2: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
