@@ -71,6 +71,14 @@ def _matches(layer: EPMoE, spec: CaseSpec, seed: int) -> tuple[bool, torch.Tenso
     return comparison.passed, out.cpu()
 
 
+def _all_done() -> None:
+    """Wait for every rank to finish its forwards before any closes its layer: on an
+    overloaded machine a peer still completing the last combine can take the close notice for
+    a failure once the collective takes longer than ``peers.SETTLE_S`` (seen with a load
+    average of 27 on 2 cores; a dispatcher matter, outside what these tests check)."""
+    dist.barrier()
+
+
 def rebalance_case(spec: CaseSpec, redundant: int) -> dict:
     """Forward, count, rebalance, forward. Returns what the driver checks across ranks."""
     rank = dist.get_rank()
@@ -96,6 +104,7 @@ def rebalance_case(spec: CaseSpec, redundant: int) -> dict:
             assert torch.equal(new2[local].cpu(), w2[expert]), f"slot {slot}"
         rewritten = sum(not torch.equal(old13[local], new13[local]) for local in range(len(slots)))
         _, after_out = _matches(layer, spec, seed=2)
+        _all_done()
         return {
             "rank": rank,
             "old": old.physical_to_logical,
@@ -193,6 +202,7 @@ def failing_rebalance(spec: CaseSpec, redundant: int, bad_rank: int, fault: str)
         next_ok, _ = _matches(layer, spec, seed=2)
         layer.eplb.__dict__.pop("_staged", None)
         layer.rebalance()  # a clean rebalance after the failed one goes through on every rank
+        _all_done()
         return {"ended": ended, "unchanged": unchanged, "next_ok": next_ok}
     finally:
         layer.close()
