@@ -220,9 +220,8 @@ class EPMoE(torch.nn.Module):
     experts ``[r·L, (r+1)·L)``. In exact mode T may exceed the cap (processed in chunks); in
     capacity mode T must fit it and nothing syncs with the host.
 
-    ``num_redundant_experts=R``: ``E + R`` physical slots, ``S = (E + R) / W`` per rank, the
-    placement (``layer.placement``) mapping logical ids to slots before dispatch and rebalanced
-    by ``rebalance()`` (every ``eplb_interval`` forwards if set); docs/eplb.md.
+    ``num_redundant_experts=R``: ``E + R`` slots, ``(E + R) / W`` per rank, ids mapped to them
+    before dispatch, rebalanced by ``rebalance()`` or every ``eplb_interval`` forwards (eplb.md).
     """
 
     def __init__(
@@ -320,13 +319,11 @@ class EPMoE(torch.nn.Module):
 
     @property
     def placement(self) -> PlacementMap:
-        """Where every logical expert lives (the same on every rank)."""
-        return self.eplb.placement
+        return self.eplb.placement  # where every logical expert lives (the same on every rank)
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Global ``[E, …]`` weights: this rank keeps its slots' experts; ``[S, …]`` (without
-        redundancy: the local ``[L, …]`` shard) taken as is. Cast once to the compute dtype and
-        handed to the experts backend for conversion."""
+        """Global ``[E, …]`` (this rank keeps its slots' experts) or ``[S, …]`` slot weights (R = 0:
+        the ``[L, …]`` shard); cast once to the compute dtype, converted by the backend."""
         self._check_open()
         slot13, slot2 = self.eplb.select_weights(w13, w2)
         check_expert_weights(slot13, slot2, self.config, self.eplb.slots_per_rank)
@@ -338,15 +335,12 @@ class EPMoE(torch.nn.Module):
         self._weights_loaded = True
 
     def expert_load(self, reset: bool = False) -> torch.Tensor:
-        """``[E + R]`` int64 (token, slot) counts per physical slot, summed over ranks since
-        the last reset (or rebalance). Collective: every rank calls it between forwards."""
+        """``[E + R]`` int64 counts per slot over all ranks since the last reset (collective)."""
         self._check_open()
         return self.eplb.expert_load(reset)
 
     def rebalance(self, load: torch.Tensor | None = None) -> RebalanceReport:
-        """Rebalance from ``load`` (``[E + R]`` per slot or ``[E]`` per expert; None: the
-        counts since the last reset), moving only the weights that change rank. Collective:
-        every rank calls it between forwards; all switch to the new map or all raise."""
+        """New placement from ``load`` (None: the counts); collective (docs/eplb.md)."""
         self._check_open()
         return self.eplb.rebalance(load, self.experts.load_weights)
 
