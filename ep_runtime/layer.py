@@ -17,6 +17,7 @@ from ep_runtime.agreement import agree_on_build
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.base import LayerIdentity, acquire_dispatcher, release_dispatcher
+from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport
 from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
@@ -57,6 +58,8 @@ class EPMoE(torch.nn.Module):
         *,
         device: torch.device | str | None = None,
         poison: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_interval: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -70,11 +73,23 @@ class EPMoE(torch.nn.Module):
             mode=mode,
             max_tokens_per_rank=max_tokens_per_rank,
             poison=poison,
+            num_redundant_experts=num_redundant_experts,
+            eplb_interval=eplb_interval,
         )
-        self.placement = ExpertPlacement(config.num_experts, self.comm.rank, self.comm.world_size)
+        if config.quantization is not None and (num_redundant_experts or eplb_interval):
+            raise EPInputError(
+                "num_redundant_experts",
+                "0 and no eplb_interval with quantization='fp8_block' (rebalancing moves "
+                "unquantized weights only, for now)",
+                f"{num_redundant_experts} (eplb_interval={eplb_interval})",
+            )
+        self.eplb = ExpertBalancer(
+            self.comm, config.num_experts, num_redundant_experts, eplb_interval
+        )
         self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
-        dispatch_setup = self.spec.dispatch_setup(self.comm)
-        experts_setup = self.spec.experts_setup(self.placement, self.comm.device)
+        dispatch_setup = self.spec.dispatch_setup(self.comm)  # backends see physical slots
+        slot_placement = ExpertPlacement(self.spec.num_slots, self.comm.rank, self.comm.world_size)
+        experts_setup = self.spec.experts_setup(slot_placement, self.comm.device)
         try:
             chosen = choose_backends(
                 self.spec.dispatcher,
@@ -87,6 +102,7 @@ class EPMoE(torch.nn.Module):
             chosen = error
         peer_setup = agree_on_build(self.comm, self.spec, chosen)
         assert not isinstance(chosen, BackendUnavailableError)
+        self.eplb.bind_hosts([identity.host for identity in peer_setup.identities])
         dispatcher_cls, experts_cls, self.choice = chosen
         self.layout = self.choice.layout
         self.experts = experts_cls(experts_setup)
@@ -118,6 +134,10 @@ class EPMoE(torch.nn.Module):
     def device(self) -> torch.device:
         return self.comm.device
 
+    @property
+    def placement(self) -> PlacementMap:
+        return self.eplb.placement  # where every logical expert lives (the same on every rank)
+
     def load_weights(
         self,
         w13: torch.Tensor,
@@ -126,39 +146,43 @@ class EPMoE(torch.nn.Module):
         w13_scale_inv: torch.Tensor | None = None,
         w2_scale_inv: torch.Tensor | None = None,
     ) -> None:
-        """Global ``[E, …]`` weights (and fp8 block scales) are sliced to this rank's shard;
-        local ``[L, …]`` taken as is. Cast once to the compute dtype (fp8 weights stay e4m3) and
-        handed to the experts backend for conversion."""
+        """Global ``[E, …]`` weights (and fp8 block scales): this rank keeps its slots' experts;
+        ``[S, …]`` slot weights (without redundancy, the ``[L, …]`` shard) taken as they are.
+        Cast once to the compute dtype (fp8 weights stay e4m3) and handed to the experts
+        backend for conversion."""
         self._check_open()
-        num_local = self.placement.num_local_experts
-        num_experts = self.config.num_experts
-        start = self.placement.local_expert_offset
-
-        def shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            is_global = isinstance(tensor, torch.Tensor) and tensor.dim() == 3
-            if is_global and tensor.size(0) == num_experts and num_experts != num_local:
-                return tensor[start : start + num_local]
-            return tensor
-
-        w13, w2 = shard(w13), shard(w2)
-        w13_scale_inv, w2_scale_inv = shard(w13_scale_inv), shard(w2_scale_inv)
-        if w13.dim() != 3 or w13.size(0) != num_local:
-            raise EPInputError(
-                "w13", f"[E={num_experts}, ...] or [L={num_local}, ...] experts", list(w13.shape)
-            )
-        check_expert_weights(w13, w2, self.config, num_local)
+        slot13, slot2 = self.eplb.select_weights(w13, w2)
+        check_expert_weights(slot13, slot2, self.config, self.eplb.slots_per_rank)
         quantization = self.config.quantization
-        check_weight_quantization(quantization, w13, w2, w13_scale_inv, w2_scale_inv)
         if quantization is None:
+            check_weight_quantization(None, slot13, slot2, w13_scale_inv, w2_scale_inv)
             cast = {"device": self.device, "dtype": self.dtype}
-            self.experts.load_weights(
-                w13.detach().to(**cast).contiguous(), w2.detach().to(**cast).contiguous()
-            )
+            slot13 = slot13.detach().to(**cast).contiguous()
+            slot2 = slot2.detach().to(**cast).contiguous()
+            self.experts.load_weights(slot13, slot2)
+            self.eplb.keep_weights(slot13, slot2, given=(w13, w2))
         else:
-            assert w13_scale_inv is not None and w2_scale_inv is not None
-            shard_weights = Fp8BlockWeights(w13, w13_scale_inv, w2, w2_scale_inv)
-            self.experts.load_quantized_weights(shard_weights.to(self.device))
+            scales = (w13_scale_inv, w2_scale_inv)
+            if all(isinstance(scale, torch.Tensor) for scale in scales):
+                scales = self.eplb.select_weights(*scales)  # type: ignore[arg-type]
+            check_weight_quantization(quantization, slot13, slot2, *scales)
+            shard = Fp8BlockWeights(slot13, scales[0], slot2, scales[1])
+            self.experts.load_quantized_weights(shard.to(self.device))
         self._weights_loaded = True
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """``[E + R]`` int64 counts per slot over all ranks since the last reset (collective)."""
+        self._check_open()
+        return self.eplb.expert_load(reset)
+
+    def rebalance(self, load: torch.Tensor | None = None) -> RebalanceReport:
+        """New placement from ``load`` (None: the counts); collective (docs/eplb.md)."""
+        self._check_open()
+        if self.config.quantization is not None:
+            raise EPInputError(
+                "rebalance", "a layer with unquantized weights", self.config.quantization.value
+            )
+        return self.eplb.rebalance(load, self.experts.load_weights)
 
     @torch.no_grad()
     def forward(
@@ -174,6 +198,7 @@ class EPMoE(torch.nn.Module):
         if failure is not None:  # every rank learns it in the first collective
             self._forward_chunk(x, topk_ids, topk_weights, None, 1, failure)
             raise failure
+        topk_ids = self.eplb.to_physical(topk_ids)
         if out is None:
             out = torch.empty_like(x)
         if self.poison:
@@ -181,6 +206,7 @@ class EPMoE(torch.nn.Module):
         num_tokens, cap = x.size(0), self.max_tokens_per_rank
         if self.mode is DispatchMode.CAPACITY:
             self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            self.eplb.forward_done(self.experts.load_weights)
             return out
         num_local_chunks = max(1, math.ceil(num_tokens / cap))
         chunk, num_chunks = 0, 1
@@ -190,6 +216,7 @@ class EPMoE(torch.nn.Module):
                 x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks, None
             )
             chunk += 1
+        self.eplb.forward_done(self.experts.load_weights)
         return out
 
     def _input_error(

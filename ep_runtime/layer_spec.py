@@ -40,6 +40,8 @@ class LayerSpec:
     dispatcher: str  # a registered name or "auto"
     experts: str  # a registered name or "auto"
     poison: bool = False  # debug: NaN in padding rows, filler and the output before it is written
+    num_redundant_experts: int = 0  # R: expert slots beyond one per logical expert (eplb/)
+    eplb_interval: int | None = None  # rebalance every N forwards; None: only when asked
 
     @classmethod
     def of(
@@ -53,6 +55,8 @@ class LayerSpec:
         mode: DispatchMode | str = "exact",
         max_tokens_per_rank: int | None = None,
         poison: bool = False,
+        num_redundant_experts: int = 0,
+        eplb_interval: int | None = None,
     ) -> LayerSpec:
         """The spec of ``EPMoE``'s arguments on ``device``; ``EPInputError`` naming a bad one."""
         try:
@@ -76,7 +80,14 @@ class LayerSpec:
             dispatcher=dispatcher,
             experts=experts,
             poison=poison,
+            num_redundant_experts=num_redundant_experts,
+            eplb_interval=eplb_interval,
         )
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots over all ranks, ``E + R``: what dispatchers and experts see."""
+        return self.config.num_experts + self.num_redundant_experts
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,7 +102,7 @@ class LayerSpec:
     def dispatch_setup(self, comm: Comm) -> DispatchSetup:
         return DispatchSetup(
             comm=comm,
-            num_experts=self.config.num_experts,
+            num_experts=self.num_slots,
             hidden_size=self.config.hidden_size,
             max_top_k=self.config.top_k,
             max_tokens_per_rank=self.max_tokens_per_rank,
@@ -101,8 +112,9 @@ class LayerSpec:
         )
 
     def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:
+        slot_config = dataclasses.replace(self.config, num_experts=self.num_slots)
         return ExpertsSetup(
-            self.config, placement, device, self.dtype, max_tokens_per_rank=self.max_tokens_per_rank
+            slot_config, placement, device, self.dtype, max_tokens_per_rank=self.max_tokens_per_rank
         )
 
     def settings(self) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Which experts a rank owns: the contiguous physical range ``[r·L, (r+1)·L)``."""
+"""Which physical slots a rank owns: the contiguous range ``[r·L, (r+1)·L)``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from ep_runtime.types import EPInputError
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Contiguous expert ownership. Load balancing later maps logical → physical ids before
-    dispatch; every kernel here sees physical ids and contiguous local ranges."""
+    """Contiguous slot ownership. With load balancing (``ep_runtime.eplb``) the layer maps
+    logical ids to physical slots before dispatch and builds this for ``E + R`` slots; every
+    kernel sees physical ids and contiguous local ranges."""
 
     num_experts: int
     rank: int

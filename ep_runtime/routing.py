@@ -24,12 +24,13 @@ def route(
     num_expert_groups: int | None = None,
     num_topk_groups: int | None = None,
     routed_scaling_factor: float = 1.0,
-    logical_to_physical: torch.Tensor | None = None,  # [E] int, applied last (EPLB hook)
+    logical_to_physical: torch.Tensor | None = None,  # [E] int, applied last; not for EPMoE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token; weights from the scores (bias only steers selection).
 
     softmax → top-k (→ renormalise): Qwen3 renormalises, DeepSeek-V2-Lite does not.
     sigmoid + bias, group-limited top-k, renormalise, × routed_scaling_factor: DeepSeek-V3.
+    ``EPMoE`` takes logical ids and maps them to its replicas itself (docs/eplb.md).
     """
     if router_logits.dim() != 2:
         raise EPInputError("router_logits", "a 2-D [T, E] tensor", list(router_logits.shape))

@@ -100,6 +100,8 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
             "experts": options.get("experts", "auto"),
             "poison": str(options.get("poison", False)),
             "quantization": "none",
+            "num_redundant_experts": "0",
+            "eplb_interval": "none",
         }
         assert layer.spec.settings() == expected
         assert layer.identity.fingerprint == fingerprint_of(expected)

@@ -203,12 +203,10 @@ def patch_moe_blocks(
         )
         options = {"device": w13.device, **layer_options}
         ep = EPMoE(config, group=group, **options)
-        start, num_local = ep.placement.local_expert_offset, ep.placement.num_local_experts
-        with torch.no_grad():  # clone: a slice would keep the whole [E, ...] storage alive
-            ep.load_weights(
-                w13[start : start + num_local].detach().clone(),  # [L, 2I, H]
-                w2[start : start + num_local].detach().clone(),  # [L, H, I]
-            )
+        local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
+        num_local = len(local)
+        with torch.no_grad():  # indexing copies: a slice would keep all [E, ...] storage alive
+            ep.load_weights(w13[local].detach(), w2[local].detach())  # [S, 2I, H], [S, H, I]
         replacement = EPMoEBlock(
             gate=block.gate,
             ep=ep,
@@ -229,10 +227,7 @@ def patch_moe_blocks(
         rank=first.comm.rank,
         world_size=first.comm.world_size,
         num_experts=first.config.num_experts,
-        local_experts=range(
-            first.placement.local_expert_offset,
-            first.placement.local_expert_offset + first.placement.num_local_experts,
-        ),
+        local_experts=range(first.eplb.local_experts[0], first.eplb.local_experts[-1] + 1),
         expert_params_kept=kept,
         expert_params_freed=freed,
         group=first.comm.group,
