@@ -44,8 +44,8 @@ def test_spawn_run_generates_the_unpatched_models_tokens(tmp_path: Path, capsys)
 def _summary(spec, rank: int, tokens: list[int], logits: torch.Tensor) -> dict:
     return {
         "rank": rank,
-        "prompt": spec.hf.prompt(rank, spec.seed, 256),
-        "max_new_tokens": spec.hf.new_tokens[rank],
+        "prompt": spec.workload.prompt(rank, 256),
+        "max_new_tokens": spec.workload.new_tokens[rank],
         "tokens": tokens,
         "logits": logits.numpy(),
     }
@@ -54,12 +54,12 @@ def _summary(spec, rank: int, tokens: list[int], logits: torch.Tensor) -> dict:
 def test_validation_fails_a_wrong_token_and_passes_the_right_ones() -> None:
     args = build_parser().parse_args(["--hf-model", "mixtral", "--hf-new-tokens", "3"])
     spec = hf_run.build_spec(args, 2)
-    reference = build_random_model(random_config("mixtral"), seed=spec.seed)
+    reference = build_random_model(random_config("mixtral"), seed=spec.workload.seed)
     summaries = []
     for rank in range(2):
-        prompt = spec.hf.prompt(rank, spec.seed, 256)
+        prompt = spec.workload.prompt(rank, 256)
         tokens, logits = hf_greedy(
-            reference, prompt, spec.hf.new_tokens[rank], model_eos(reference)
+            reference, prompt, spec.workload.new_tokens[rank], model_eos(reference)
         )
         summaries.append(_summary(spec, rank, tokens, logits))
     assert [v["passed"] for v in hf_run.validate(spec, summaries)] == [True, True]

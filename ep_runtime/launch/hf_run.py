@@ -15,22 +15,18 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from ep_runtime.bench.metrics import peak_memory_bytes
 from ep_runtime.bench.report import write_json
 from ep_runtime.launch.presets import ModelPreset, RouterSpec
-from ep_runtime.launch.rank import Step, peak_memory_bytes
-from ep_runtime.launch.spec import RunSpec
+from ep_runtime.launch.spec import RankContext, RunOutcome, RunSpec, Step, Workload, torch_dtype
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-
-if TYPE_CHECKING:
-    from ep_runtime.launch.rank import RankWorker
 
 CONVENTIONS = (
     "tok/s = generated tokens / time from the first step to this rank's last token",
@@ -41,19 +37,60 @@ CONVENTIONS = (
 
 
 @dataclass(frozen=True)
-class HFRun:
-    """What every rank runs: the model and each rank's request."""
+class HFWorkload(Workload):
+    """What every rank runs: the model, each rank's request, and the EP layer options."""
 
-    model: str  # a random architecture name or a local checkpoint directory
+    hf_model: str  # a random architecture name or a local checkpoint directory
+    model: ModelPreset  # the MoE layer shape, for the report (the ranks read the real blocks)
     prompt_lengths: tuple[int, ...]  # per rank; 0 = no request
     new_tokens: tuple[int, ...]  # per rank, at most
+    dtype: str = "auto"  # "auto", "bf16" or "fp32"
+    dispatcher: str = "auto"
+    experts: str = "auto"
+    layout: str = "auto"
+    mode: str = "exact"
+    warmup: bool = True
+    seed: int = 0
 
-    def prompt(self, rank: int, seed: int, vocab_size: int) -> list[int]:
+    def prompt(self, rank: int, vocab_size: int) -> list[int]:
         """Rank ``rank``'s prompt ids, the same in every process."""
-        generator = torch.Generator().manual_seed(seed * 7919 + rank)
+        generator = torch.Generator().manual_seed(self.seed * 7919 + rank)
         return torch.randint(
             0, vocab_size, (self.prompt_lengths[rank],), generator=generator
         ).tolist()
+
+    def compute_dtype(self, device: str) -> torch.dtype:
+        """``--dtype``, ``auto`` being bf16 on CUDA and fp32 on CPU."""
+        return torch_dtype(self.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+
+    def plan(self) -> list[Step]:
+        steps = [Step("setup", (), 1, "load model, patch MoE blocks")]
+        if self.warmup:
+            steps.append(Step("warmup", (), 1, "warm-up generation (2 tokens)"))
+        steps.append(Step("generate", (), 1, "greedy generation, all ranks in lockstep"))
+        steps.append(Step("summarize", (), 0, "summarize"))
+        return steps
+
+    def worker(self, context: RankContext) -> HFRankWorker:
+        return HFRankWorker(self, context)
+
+    def finish(self, spec: RunSpec, outcome: RunOutcome, console: Console) -> bool:
+        """Validate (reporting process only), print, write JSON."""
+        if not outcome.reports_here:
+            return True
+        summaries = sorted(outcome.summaries, key=lambda s: s["rank"])
+        validations = validate(spec, summaries)
+        report = build_hf_report(spec, outcome.launcher, summaries, outcome.elapsed_s, validations)
+        print_hf_report(report, console)
+        if outcome.json_path:
+            write_json(report, outcome.json_path)
+        return report["passed"]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        hf = {"model": data.pop("hf_model")}
+        hf |= {key: data.pop(key) for key in ("prompt_lengths", "new_tokens")}
+        return data | {"hf": hf}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,72 +187,52 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             f"--dp: {args.hf_model} has {model.num_experts} experts, "
             f"not divisible by {world_size} ranks"
         )
-    run = HFRun(
-        model=args.hf_model,
+    workload = HFWorkload(
+        hf_model=args.hf_model,
+        model=model,
         prompt_lengths=prompts,
         new_tokens=tuple(args.hf_new_tokens + 2 * rank for rank in range(world_size)),
-    )
-    return RunSpec(
-        model=model,
-        world_size=world_size,
-        device=args.device,
         dtype=args.dtype,
         dispatcher=args.dispatcher,
         experts=args.experts,
-        layouts=(args.layout,),
+        layout=args.layout,
         mode=args.mode,
-        iters=1,
-        warmup=min(args.warmup, 1),
+        warmup=args.warmup > 0,
         seed=args.seed,
-        baselines=False,
-        timeout_s=args.timeout,
-        hf=run,
     )
-
-
-def plan(spec: RunSpec) -> list[Step]:
-    """The collective steps of an ``--hf-model`` run, identical on every rank."""
-    steps = [Step("hf", ("setup",), 1, "load model, patch MoE blocks")]
-    if spec.warmup:
-        steps.append(Step("hf", ("warmup",), 1, "warm-up generation (2 tokens)"))
-    steps.append(Step("hf", ("generate",), 1, "greedy generation, all ranks in lockstep"))
-    steps.append(Step("hf", ("summarize",), 0, "summarize"))
-    return steps
+    return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
 
 class HFRankWorker:
     """One rank's model, EP blocks and generation; methods are the steps of ``plan``."""
 
-    def __init__(self, worker: RankWorker) -> None:
-        self.worker = worker
-        self.spec = worker.spec
-        self.run: HFRun = worker.spec.hf
-        self.rank = worker.rank
-        self.device = worker.device
-        self.dtype = self.spec.torch_dtype() or (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        )
+    def __init__(self, workload: HFWorkload, context: RankContext) -> None:
+        self.run = workload
+        self.context = context
+        self.rank = context.rank
+        self.device = context.device
+        self.dtype = workload.compute_dtype(context.device.type)
 
     def setup(self) -> dict:
         from ep_runtime.integrations.transformers import load_model, patch_moe_blocks
 
-        spec, run = self.spec, self.run
-        model = load_model(run.model, seed=spec.seed, dtype=self.dtype, device=str(self.device))
+        run = self.run
+        model = load_model(run.hf_model, seed=run.seed, dtype=self.dtype, device=str(self.device))
         self.params_before = sum(p.numel() for p in model.parameters())
         options: dict[str, Any] = {
-            "dispatcher": spec.dispatcher,
-            "experts": spec.experts,
-            "layout": spec.layouts[0],
-            "mode": spec.mode,
+            "dispatcher": run.dispatcher,
+            "experts": run.experts,
+            "layout": run.layout,
+            "mode": run.mode,
             "device": self.device,
         }
-        if spec.mode == "capacity":  # static buffers: the longest prompt must fit
+        if run.mode == "capacity":  # static buffers: the longest prompt must fit
             options["max_tokens_per_rank"] = max(1, *run.prompt_lengths)
         self.report = patch_moe_blocks(model, **options)
         gc.collect()
         self.model = model
         self.params_after = sum(p.numel() for p in model.parameters())
-        self.prompt = run.prompt(self.rank, spec.seed, model.config.vocab_size)
+        self.prompt = run.prompt(self.rank, model.config.vocab_size)
         return {"patched": self.report.describe()}
 
     def warmup(self) -> None:
@@ -241,9 +258,7 @@ class HFRankWorker:
         decode_s = result.active_s - result.prefill_s
         block = report.blocks[0].module
         return {
-            "rank": self.rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **self.context.describe(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": report.blocks[0].hf_class,
@@ -308,11 +323,12 @@ def validate(spec: RunSpec, summaries: list[dict]) -> list[dict]:
     """Every rank's tokens and logits against the unpatched model in this process."""
     from ep_runtime.integrations.transformers import eos_ids, load_model
 
-    dtype = spec.torch_dtype() or (torch.bfloat16 if spec.device == "cuda" else torch.float32)
+    run = spec.workload
+    dtype = run.compute_dtype(spec.device)
     device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
-    model = load_model(spec.hf.model, seed=spec.seed, dtype=dtype, device=device)
+    model = load_model(run.hf_model, seed=run.seed, dtype=dtype, device=device)
     eos = eos_ids(model)
-    shape = spec.model
+    shape = run.model
     tolerance = tolerance_for(dtype, max(shape.hidden_size, shape.intermediate_size))
     results = []
     for summary in summaries:
@@ -374,13 +390,13 @@ def build_hf_report(
         "launcher": launcher,
         "device": spec.device,
         "dtype": first["dtype"],
-        "model": spec.model.to_json(),
-        "hf_model": spec.hf.model,
+        "model": spec.workload.model.to_json(),
+        "hf_model": spec.workload.hf_model,
         "architecture": first["architecture"],
         "moe_blocks": first["moe_blocks"],
         "router": first["router"],
         "choice": first["choice"],
-        "mode": spec.mode,
+        "mode": spec.workload.mode,
         "steps": first["steps"],
         "max_rel_err": max(v["max_rel_err"] for v in validations),
         "tolerance": validations[0]["tolerance"],
@@ -443,23 +459,3 @@ def _count(number: int) -> str:
         if number >= scale:
             return f"{number / scale:.3g}{unit}"
     return str(number)
-
-
-def finish(
-    spec: RunSpec,
-    launcher: str,
-    summaries: list[dict],
-    elapsed_s: float,
-    is_reporter: bool,
-    console: Console,
-    json_path: str | None,
-) -> int:
-    """Validate (reporting process only), print, write JSON; the exit status (0 ok, 1 wrong)."""
-    if not is_reporter:
-        return 0
-    validations = validate(spec, sorted(summaries, key=lambda s: s["rank"]))
-    report = build_hf_report(spec, launcher, summaries, elapsed_s, validations)
-    print_hf_report(report, console)
-    if json_path:
-        write_json(report, json_path)
-    return 0 if report["passed"] else 1
