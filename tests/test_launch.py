@@ -501,3 +501,35 @@ def test_spawn_launcher_killed_leaves_no_rank_behind(launcher_runs):
         time.sleep(0.1)
     assert len(ranks) == 2 and not alive(ranks), f"ranks alive 10 s later: {alive(ranks)}"
     run.assert_nothing_left()
+
+
+# the launcher's own packages -------------------------------------------------------------------
+HIDE = "import sys; sys.modules.update({name: None for name in sys.argv[1:]}); "  # import fails
+
+
+@pytest.mark.parametrize(
+    ("hidden", "argv", "message"),
+    [
+        (
+            ["rich"],
+            [],
+            "needs rich (the 'launch' extra, with ray): pip install 'ep_runtime[launch]'",
+        ),
+        (["ray"], ["--launcher", "ray"], "--launcher ray: expected ray to be installed"),
+    ],
+    ids=["no_rich", "no_ray"],
+)
+def test_launcher_without_its_extra_names_it_in_one_line(hidden, argv, message):
+    """``python -m ep_runtime.launch`` where rich (or, for --launcher ray, ray) cannot be
+    imported: exit 2 and one line naming the 'launch' extra, before any rank starts."""
+    code = HIDE + (
+        "import runpy; sys.argv = ['ep_runtime.launch', *" + repr(argv) + "]; "
+        "runpy.run_module('ep_runtime.launch', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *hidden], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    output = (done.stdout + done.stderr).strip()
+    assert done.returncode == EXIT_USAGE, output
+    assert message in output and "pip install 'ep_runtime[launch]'" in output, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
