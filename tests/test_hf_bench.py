@@ -1,4 +1,5 @@
-"""scripts/hf_bench.py on CPU at --tiny size: it runs, and its fp32 yardstick judges fairly.
+"""``python -m ep_runtime.bench.hf`` on CPU at --tiny size: it runs, and its fp32 yardstick judges
+fairly.
 
 The yardstick: the unpatched model run once in fp32 (the same weights, upcast, transformers'
 eager experts). In fp32 every implementation, ours included, must agree with it to 1e-4; in bf16
@@ -7,28 +8,16 @@ quarter)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
-import pytest
-
+from ep_runtime.bench import hf as hf_bench
 from tests.hf_oracle import needs_transformers
 
 pytestmark = needs_transformers
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_bench.py"
 
 
-@pytest.fixture(scope="module")
-def hf_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hf_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def fp32_distances(hf_bench: ModuleType, tmp_path: Path, dtype: str) -> dict[str, float]:
+def fp32_distances(tmp_path: Path, dtype: str) -> dict[str, float]:
     out = tmp_path / f"{dtype}.json"
     argv = ["--tiny", "--device", "cpu", "--dtype", dtype, "--fp32-reference", "--iters", "1"]
     argv += ["--warmup", "0", "--prefill-batch", "8", "--json", str(out)]
@@ -36,16 +25,14 @@ def fp32_distances(hf_bench: ModuleType, tmp_path: Path, dtype: str) -> dict[str
     return json.loads(out.read_text())["fp32_distance"]
 
 
-def test_fp32_run_agrees_with_the_fp32_model(hf_bench: ModuleType, tmp_path: Path) -> None:
-    distances = fp32_distances(hf_bench, tmp_path, "fp32")
+def test_fp32_run_agrees_with_the_fp32_model(tmp_path: Path) -> None:
+    distances = fp32_distances(tmp_path, "fp32")
     assert len(distances) == 3 and any(name.startswith("ep_runtime") for name in distances)
     assert all(d < 1e-4 for d in distances.values()), distances
 
 
-def test_bf16_run_is_as_close_to_fp32_as_transformers_own(
-    hf_bench: ModuleType, tmp_path: Path
-) -> None:
-    distances = fp32_distances(hf_bench, tmp_path, "bf16")
+def test_bf16_run_is_as_close_to_fp32_as_transformers_own(tmp_path: Path) -> None:
+    distances = fp32_distances(tmp_path, "bf16")
     ours = next(d for name, d in distances.items() if name.startswith("ep_runtime"))
     theirs = [d for name, d in distances.items() if name.startswith("transformers")]
     assert ours <= 1.25 * max(theirs), distances

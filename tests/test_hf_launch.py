@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ep_runtime.integrations.transformers import build_random_model, random_config
-from ep_runtime.launch import hf_run
+from ep_runtime.launch import hf_report, hf_run
 from ep_runtime.launch.cli import EXIT_OK, EXIT_USAGE, build_parser, main
 from tests.hf_oracle import hf_greedy, model_eos, needs_transformers, routed_expert_numel
 
@@ -44,8 +44,8 @@ def test_spawn_run_generates_the_unpatched_models_tokens(tmp_path: Path, capsys)
 def _summary(spec, rank: int, tokens: list[int], logits: torch.Tensor) -> dict:
     return {
         "rank": rank,
-        "prompt": spec.hf.prompt(rank, spec.seed, 256),
-        "max_new_tokens": spec.hf.new_tokens[rank],
+        "prompt": spec.workload.prompt(rank, 256),
+        "max_new_tokens": spec.workload.new_tokens[rank],
         "tokens": tokens,
         "logits": logits.numpy(),
     }
@@ -54,23 +54,23 @@ def _summary(spec, rank: int, tokens: list[int], logits: torch.Tensor) -> dict:
 def test_validation_fails_a_wrong_token_and_passes_the_right_ones() -> None:
     args = build_parser().parse_args(["--hf-model", "mixtral", "--hf-new-tokens", "3"])
     spec = hf_run.build_spec(args, 2)
-    reference = build_random_model(random_config("mixtral"), seed=spec.seed)
+    reference = build_random_model(random_config("mixtral"), seed=spec.workload.seed)
     summaries = []
     for rank in range(2):
-        prompt = spec.hf.prompt(rank, spec.seed, 256)
+        prompt = spec.workload.prompt(rank, 256)
         tokens, logits = hf_greedy(
-            reference, prompt, spec.hf.new_tokens[rank], model_eos(reference)
+            reference, prompt, spec.workload.new_tokens[rank], model_eos(reference)
         )
         summaries.append(_summary(spec, rank, tokens, logits))
-    assert [v["passed"] for v in hf_run.validate(spec, summaries)] == [True, True]
+    assert [v["passed"] for v in hf_report.validate(spec, summaries)] == [True, True]
     wrong = dict(
         summaries[1], tokens=[*summaries[1]["tokens"][:-1], 255 - summaries[1]["tokens"][-1]]
     )
-    verdicts = hf_run.validate(spec, [summaries[0], wrong])
+    verdicts = hf_report.validate(spec, [summaries[0], wrong])
     assert [v["passed"] for v in verdicts] == [True, False]
     assert verdicts[1]["first_mismatch"] == len(wrong["tokens"]) - 1
     scaled = dict(summaries[0], logits=summaries[0]["logits"] * np.float32(1.001))
-    assert not hf_run.validate(spec, [scaled, summaries[1]])[0]["passed"]  # 1e-3 > tolerance
+    assert not hf_report.validate(spec, [scaled, summaries[1]])[0]["passed"]  # 1e-3 > tolerance
 
 
 @pytest.mark.parametrize(

@@ -28,11 +28,12 @@ from ep_runtime.bench.metrics import (
 )
 from ep_runtime.bench.timing import max_over_ranks_stats
 from ep_runtime.dispatch import DISPATCHERS
-from ep_runtime.launch import cli, workload
+from ep_runtime.launch import cli, layer_data
 from ep_runtime.launch.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, EXIT_USAGE, main
+from ep_runtime.launch.layer_run import FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.rank import RankWorker
-from ep_runtime.launch.spec import FailureInjection, LaunchError, RunSpec
+from ep_runtime.launch.spec import LaunchError, RunSpec
 from ep_runtime.launch.supervision import (
     GRACE_S,
     Failure,
@@ -55,23 +56,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 # workload ---------------------------------------------------------------------------------------
 def test_expert_weights_depend_on_seed_and_expert_only():
-    w13, w2 = workload.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
-    again13, again2 = workload.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
+    w13, w2 = layer_data.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
+    again13, again2 = layer_data.expert_weights(TINY_CONFIG, 3, 7, CPU, torch.float32)
     assert torch.equal(w13, again13) and torch.equal(w2, again2)
     assert w13.shape == (2 * TINY.intermediate_size, TINY.hidden_size)
     assert w2.shape == (TINY.hidden_size, TINY.intermediate_size)
-    assert not torch.equal(w13, workload.expert_weights(TINY_CONFIG, 4, 7, CPU, torch.float32)[0])
-    assert not torch.equal(w13, workload.expert_weights(TINY_CONFIG, 3, 8, CPU, torch.float32)[0])
+    assert not torch.equal(w13, layer_data.expert_weights(TINY_CONFIG, 4, 7, CPU, torch.float32)[0])
+    assert not torch.equal(w13, layer_data.expert_weights(TINY_CONFIG, 3, 8, CPU, torch.float32)[0])
 
 
 def test_rank_shard_equals_slice_of_global_weights():
     world, rank = 4, 2
-    full13, full2 = workload.stacked_expert_weights(
+    full13, full2 = layer_data.stacked_expert_weights(
         TINY_CONFIG, list(range(TINY.num_experts)), 0, CPU, torch.bfloat16
     )
-    local = workload.local_experts(TINY_CONFIG, rank, world)
+    local = layer_data.local_experts(TINY_CONFIG, rank, world)
     assert local == [8, 9, 10, 11]  # 16 experts over 4 ranks: rank 2 owns the third quarter
-    shard13, shard2 = workload.stacked_expert_weights(TINY_CONFIG, local, 0, CPU, torch.bfloat16)
+    shard13, shard2 = layer_data.stacked_expert_weights(TINY_CONFIG, local, 0, CPU, torch.bfloat16)
     assert torch.equal(shard13, full13[8:12])
     assert torch.equal(shard2, full2[8:12])
 
@@ -81,34 +82,34 @@ def test_sampled_reference_equals_full_reference(model_name):
     """Chunked regeneration (3 experts at a time) gives the oracle's answer on the sample."""
     model = preset_by_name(model_name).with_overrides(hidden_size=32, intermediate_size=16)
     config = model.moe_config()
-    x = workload.rank_hidden_states(config, 1, 24, 5, CPU, torch.float32)
-    ids, weights = workload.rank_routing(model, 1, 24, 5, CPU)
-    full13, full2 = workload.stacked_expert_weights(
+    x = layer_data.rank_hidden_states(config, 1, 24, 5, CPU, torch.float32)
+    ids, weights = layer_data.rank_routing(model, 1, 24, 5, CPU)
+    full13, full2 = layer_data.stacked_expert_weights(
         config, list(range(model.num_experts)), 5, CPU, torch.float32
     )
     expected = reference_moe(x, ids, weights, full13, full2, activation=model.activation)
-    got, _, touched = workload.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
+    got, _, touched = layer_data.sampled_reference(model, x, ids, weights, 5, experts_per_chunk=3)
     assert touched == sorted(set(ids.flatten().tolist()))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    wrong_seed, _, _ = workload.sampled_reference(model, x, ids, weights, 6, experts_per_chunk=3)
+    wrong_seed, _, _ = layer_data.sampled_reference(model, x, ids, weights, 6, experts_per_chunk=3)
     assert not torch.allclose(wrong_seed, expected, rtol=1e-2, atol=1e-2)
 
 
 def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypatch):
     """DeepSeek-V3 routing (256 experts): never more than one chunk of experts resident."""
     model = PRESETS["deepseek-v3"].with_overrides(hidden_size=16, intermediate_size=8)
-    x = workload.rank_hidden_states(model.moe_config(), 0, 16, 0, CPU, torch.bfloat16)
-    ids, weights = workload.rank_routing(model, 0, 16, 0, CPU)
+    x = layer_data.rank_hidden_states(model.moe_config(), 0, 16, 0, CPU, torch.bfloat16)
+    ids, weights = layer_data.rank_routing(model, 0, 16, 0, CPU)
     built: list[list[int]] = []
-    original = workload.stacked_expert_weights
+    original = layer_data.stacked_expert_weights
 
     def recording(config, experts, *args):
         built.append(list(experts))
         return original(config, experts, *args)
 
-    monkeypatch.setattr(workload, "stacked_expert_weights", recording)
-    _, _, touched = workload.sampled_reference(model, x, ids, weights, 0)
-    assert max(len(chunk) for chunk in built) <= workload.EXPERTS_PER_VALIDATION_CHUNK
+    monkeypatch.setattr(layer_data, "stacked_expert_weights", recording)
+    _, _, touched = layer_data.sampled_reference(model, x, ids, weights, 0)
+    assert max(len(chunk) for chunk in built) <= layer_data.EXPERTS_PER_VALIDATION_CHUNK
     assert sorted(e for chunk in built for e in chunk) == touched
     assert len(touched) < model.num_experts
 
@@ -116,21 +117,21 @@ def test_validation_regenerates_only_touched_experts_a_chunk_at_a_time(monkeypat
 def test_deepseek_v3_rank_shard_is_an_eighth_at_ep8():
     config = PRESETS["deepseek-v3"].moe_config()
     per_expert = (2 * 2048 + 2048) * 7168 * 2  # w13 [4096, 7168] + w2 [7168, 2048], bf16
-    assert workload.shard_weight_bytes(config, 8, torch.bfloat16) == 32 * per_expert
-    assert workload.shard_weight_bytes(config, 1, torch.bfloat16) == 256 * per_expert  # 22.5 GB
+    assert layer_data.shard_weight_bytes(config, 8, torch.bfloat16) == 32 * per_expert
+    assert layer_data.shard_weight_bytes(config, 1, torch.bfloat16) == 256 * per_expert  # 22.5 GB
 
 
 def test_validation_sample_is_deterministic_and_sorted():
-    sample = workload.validation_sample(100, 10, 3, 1)
-    assert torch.equal(sample, workload.validation_sample(100, 10, 3, 1))
+    sample = layer_data.validation_sample(100, 10, 3, 1)
+    assert torch.equal(sample, layer_data.validation_sample(100, 10, 3, 1))
     assert sample.tolist() == sorted(set(sample.tolist())) and len(sample) == 10
-    assert workload.validation_sample(5, 0, 3, 1).tolist() == [0, 1, 2, 3, 4]
+    assert layer_data.validation_sample(5, 0, 3, 1).tolist() == [0, 1, 2, 3, 4]
 
 
 # routers of the presets -------------------------------------------------------------------------
 def _route(name: str, tokens: int = 64):
     model = PRESETS[name]
-    ids, weights = workload.rank_routing(model, 0, tokens, 0, CPU)
+    ids, weights = layer_data.rank_routing(model, 0, tokens, 0, CPU)
     assert ids.shape == (tokens, model.top_k) and ids.dtype == torch.int32
     assert all(len(set(row)) == model.top_k for row in ids.tolist())  # distinct per token
     return model, ids, weights
@@ -368,7 +369,7 @@ def test_spawn_run_validates_every_rank_and_reports_hand_countable_facts(tmp_pat
     assert report["max_rel_err"] <= report["tolerance"]
     # counts and traffic recomputed here from the same seed
     model, world = TINY, 4
-    routes = [workload.rank_routing(model, r, model.tokens_per_rank, 0, CPU)[0] for r in range(4)]
+    routes = [layer_data.rank_routing(model, r, model.tokens_per_rank, 0, CPU)[0] for r in range(4)]
     counts = [sum(c) for c in zip(*(expert_token_counts(i, 16) for i in routes), strict=True)]
     assert report["load"]["global_expert_counts"] == counts
     traffic = [destination_rows(i, 16, world) for i in routes]
@@ -376,7 +377,7 @@ def test_spawn_run_validates_every_rank_and_reports_hand_countable_facts(tmp_pat
         assert entry["rank"] == rank and entry["passed"]
         assert entry["received_rows"] == sum(row[rank] for row in traffic)
         assert entry["local_expert_counts"] == counts[rank * 4 : rank * 4 + 4]
-        assert entry["expert_weight_bytes"] == workload.shard_weight_bytes(
+        assert entry["expert_weight_bytes"] == layer_data.shard_weight_bytes(
             TINY_CONFIG, 4, torch.float32
         )
         assert all(v["deterministic"] and v["validated_tokens"] == 64 for v in entry["validation"])
@@ -430,25 +431,25 @@ def test_rank_validation_fails_a_layer_that_applies_weights_twice():
     """Negative control: the launcher's check must catch a wrong output (here 2× the truth)."""
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
-    spec = RunSpec(
+    workload = LayerWorkload(
         model=TINY.with_overrides(tokens_per_rank=16),
-        world_size=1,
-        device="cpu",
         dtype="fp32",
         iters=1,
         warmup=0,
         baselines=False,
     )
+    spec = RunSpec(world_size=1, device="cpu", workload=workload)
     threads = torch.get_num_threads()
     worker = RankWorker(spec, 0)
     worker.init_process_group(store=dist.HashStore())
     try:
-        worker.setup()
-        worker.build(0)
-        assert worker.validate()["passed"]
-        forward = worker.layer.experts.forward
-        worker.layer.experts.forward = lambda dispatched, out=None: forward(dispatched) * 2
-        result = worker.validate()
+        worker.step("setup", ())
+        worker.step("build", (0,))
+        assert worker.step("validate", ())["passed"]
+        layer = worker.workload.layer
+        forward = layer.experts.forward
+        layer.experts.forward = lambda dispatched, out=None: forward(dispatched) * 2
+        result = worker.step("validate", ())
         assert not result["passed"] and result["max_rel_err"] > 0.5
     finally:
         worker.shutdown()
@@ -500,3 +501,35 @@ def test_spawn_launcher_killed_leaves_no_rank_behind(launcher_runs):
         time.sleep(0.1)
     assert len(ranks) == 2 and not alive(ranks), f"ranks alive 10 s later: {alive(ranks)}"
     run.assert_nothing_left()
+
+
+# the launcher's own packages -------------------------------------------------------------------
+HIDE = "import sys; sys.modules.update({name: None for name in sys.argv[1:]}); "  # import fails
+
+
+@pytest.mark.parametrize(
+    ("hidden", "argv", "message"),
+    [
+        (
+            ["rich"],
+            [],
+            "needs rich (the 'launch' extra, with ray): pip install 'ep_runtime[launch]'",
+        ),
+        (["ray"], ["--launcher", "ray"], "--launcher ray: expected ray to be installed"),
+    ],
+    ids=["no_rich", "no_ray"],
+)
+def test_launcher_without_its_extra_names_it_in_one_line(hidden, argv, message):
+    """``python -m ep_runtime.launch`` where rich (or, for --launcher ray, ray) cannot be
+    imported: exit 2 and one line naming the 'launch' extra, before any rank starts."""
+    code = HIDE + (
+        "import runpy; sys.argv = ['ep_runtime.launch', *" + repr(argv) + "]; "
+        "runpy.run_module('ep_runtime.launch', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *hidden], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    output = (done.stdout + done.stderr).strip()
+    assert done.returncode == EXIT_USAGE, output
+    assert message in output and "pip install 'ep_runtime[launch]'" in output, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output

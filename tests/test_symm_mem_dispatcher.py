@@ -4,7 +4,7 @@ The real op needs >= 2 GPUs with NVSHMEM and has never run; here the adapter run
 ``ImitationSymmTransport`` (tests/symm_mem_imitation.py), an imitation of the op's semantics, on
 gloo ranks. Passing says the adapter's packing, splits, stale-row handling, expansion and reduction
 are right for those semantics, not that the real op behaves so: the multi-rank suite on GPUs
-(scripts/multigpu_bench.sh) is what tests the real one.
+(tools/gpu/multigpu_bench.sh) is what tests the real one.
 """
 
 from __future__ import annotations

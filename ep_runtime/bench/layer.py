@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
+from ep_runtime.bench.timing import copy_rate_bytes_per_ms, device_activity, time_ms
 from ep_runtime.kernels import group_rows, weighted_activation
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -72,45 +69,6 @@ class Measured:
     eager_over_gemms: float
 
 
-def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median of ``iters`` CUDA-event timings of ``work``."""
-    for _ in range(warmup):
-        work()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_rate_bytes_per_ms(device: torch.device) -> float:
-    """Bytes read + written per ms by a 2 GiB device-to-device copy."""
-    source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    ms = time_ms(lambda: target.copy_(source), iters=10)
-    return 2 * source.numel() / ms
-
-
-def device_activity(work: Callable[[], object]) -> tuple[int, int, dict[str, int]]:
-    """(kernels, memcpy + memset, kernel names) one call of ``work`` puts on the GPU."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
-        work()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        profile.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    kernels = [e["name"] for e in events if e.get("cat") == "kernel"]
-    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
-    return len(kernels), len(copies), dict(Counter(kernels))
-
-
 def inputs(point: Point, device: torch.device, seed: int = 0):
     """Weights, tokens, and balanced routing (distinct random experts per token)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -158,7 +116,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
             out[sample], ref, tolerance_for(BF16, max(point.hidden, point.intermediate)), scale
         )
         layer_ms = time_ms(lambda: layer(x, ids, weights))
-        kernels, copies, names = device_activity(lambda: layer(x, ids, weights))
+        activity = device_activity(lambda: layer(x, ids, weights))
         grouped = group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
             x,
             ids,
@@ -210,15 +168,15 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         layer_ms=layer_ms,
         gemms_ms=gemms_ms,
         gemms_over_layer=gemms_ms / layer_ms,
-        kernels_per_forward=kernels,
-        copies_per_forward=copies,
+        kernels_per_forward=activity.num_kernels,
+        copies_per_forward=activity.num_copies,
         graph_ms=graph_ms,
         graph_over_gemms=None if graph_ms is None else graph_ms / gemms_ms,
         hbm_floor_ms=floor_ms,
         graph_over_floor=None if graph_ms is None else graph_ms / floor_ms,
         eager_over_gemms=layer_ms / gemms_ms,
     )
-    return result, names
+    return result, activity.kernels
 
 
 def print_table(results: list[Measured], rate: float) -> None:

@@ -1,4 +1,5 @@
-"""What a forward moves and computes, from the routing alone (no backend involved).
+"""What a forward moves and computes, from the routing alone (no backend involved), and the
+peak memory a rank used.
 
 Wire rows: a token travels once to each rank owning at least one of its experts
 (docs/architecture.md, "Wire format"), so a rank receives one row per (source token, this rank)
@@ -8,6 +9,7 @@ Expert work: one (token, expert) pair per valid slot.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +60,10 @@ class Traffic:
     def combine_bytes(self, rank: int) -> int:
         """Combine: the same rows go back, so the same bytes as dispatch receives (DeepEP)."""
         return self.dispatch_received_bytes(rank)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

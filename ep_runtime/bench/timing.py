@@ -1,11 +1,17 @@
-"""Phase timing: barrier and device sync around each phase; phase time = max over ranks."""
+"""Timing: phases across ranks (barrier and device sync around each phase; phase time = max over
+ranks), and on one GPU the helpers every single-device bench shares (CUDA-event medians, the
+device-to-device copy rate, the kernels a call launches)."""
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -78,3 +84,59 @@ def max_over_ranks_stats(per_rank: list[list[float]]) -> PhaseStats:
     return PhaseStats(
         statistics.median(per_iteration), min(per_iteration), max(per_iteration), len(per_iteration)
     )
+
+
+# one GPU ------------------------------------------------------------------------------------
+def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median of ``iters`` CUDA-event timings of ``work``."""
+    for _ in range(warmup):
+        work()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_rate_bytes_per_ms(device: torch.device) -> float:
+    """Bytes read + written per ms by a 2 GiB device-to-device copy."""
+    source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    ms = time_ms(lambda: target.copy_(source), iters=10)
+    return 2 * source.numel() / ms
+
+
+@dataclass(frozen=True)
+class DeviceActivity:
+    """What one call put on the GPU, by name: kernels, and memcpy / memset operations."""
+
+    kernels: dict[str, int]
+    copies: dict[str, int]
+
+    @property
+    def num_kernels(self) -> int:
+        return sum(self.kernels.values())
+
+    @property
+    def num_copies(self) -> int:
+        return sum(self.copies.values())
+
+
+def device_activity(work: Callable[[], object]) -> DeviceActivity:
+    """The kernels and copies one call of ``work`` puts on the GPU (torch.profiler's trace)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        work()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:  # the trace's "cat" says what ran on the GPU
+        trace = Path(folder) / "trace.json"
+        profile.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e["name"] for e in events if e.get("cat") == "kernel"]
+    copies = [e["name"] for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    return DeviceActivity(dict(Counter(kernels)), dict(Counter(copies)))

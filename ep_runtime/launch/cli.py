@@ -18,19 +18,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
 from ep_runtime.launch import hf_run
+from ep_runtime.launch.layer_run import FAILURE_KINDS, FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
-from ep_runtime.launch.spec import (
-    FAILURE_KINDS,
-    FailureInjection,
-    LaunchError,
-    RankFailure,
-    RunSpec,
-)
+from ep_runtime.launch.spec import LaunchError, RankFailure, RunOutcome, RunSpec
 from ep_runtime.launch.supervision import stop_handlers, usage_error_line
 from ep_runtime.types import BackendUnavailableError, EPInputError
 
@@ -195,10 +189,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             f"given {args.inject_failure.rank}"
         )
     layouts = ("standard", "expanded") if args.layout == "both" else (args.layout,)
-    return RunSpec(
+    workload = LayerWorkload(
         model=model,
-        world_size=world_size,
-        device=args.device,
         dtype=args.dtype,
         dispatcher=args.dispatcher,
         experts=args.experts,
@@ -209,9 +201,9 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         seed=args.seed,
         validate_tokens=args.validate_tokens,
         baselines=not args.no_baselines,
-        timeout_s=args.timeout,
         inject_failure=args.inject_failure,
     )
+    return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
 
 def _launch(
@@ -281,6 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         console = Console(width=max(console.width, 120))
     launcher = choose_launcher(args.launcher)
     try:
+        if launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "--launcher ray: expected ray to be installed (pip install 'ep_runtime[launch]'), "
+                "given none"
+            )
         world_size, reports_here = args.dp, True
         if launcher == "torchrun":
             from ep_runtime.launch.torchrun import env_rank
@@ -318,17 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every rank was stopped")
         return EXIT_INTERRUPTED
-    if spec.hf is not None:
-        elapsed = time.perf_counter() - started
-        return hf_run.finish(spec, launcher, summaries, elapsed, is_reporter, console, args.json)
-    report = build_report(spec.to_json(), launcher, summaries, time.perf_counter() - started)
-    if is_reporter:
-        print_report(report, console)
-        if args.json:
-            write_json(report, args.json)
-        if args.plot:
-            write_plot(report, args.plot)
-    return EXIT_OK if report["passed"] else EXIT_INVALID
+    outcome = RunOutcome(
+        launcher, summaries, time.perf_counter() - started, is_reporter, args.json, args.plot
+    )
+    return EXIT_OK if spec.workload.finish(spec, outcome, console) else EXIT_INVALID
 
 
 if __name__ == "__main__":

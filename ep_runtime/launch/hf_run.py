@@ -7,7 +7,7 @@ lockstep with the others. Rank r's request: a prompt of ``prompt_tokens + 3r`` r
 to ``new_tokens + 2r`` new tokens (``--hf-idle-rank R``: no request), so ranks start and finish
 at different steps. The reporting process then runs the unpatched model (transformers' own
 ``generate``, greedy) on every rank's prompt and requires the same tokens and logits within the
-derived tolerance (``ep_runtime/tolerance.py``).
+derived tolerance (``ep_runtime/tolerance.py``; ``launch/hf_report.py``).
 """
 
 from __future__ import annotations
@@ -15,45 +15,74 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from ep_runtime.bench.metrics import peak_memory_bytes
 from ep_runtime.bench.report import write_json
+from ep_runtime.launch.hf_report import build_hf_report, print_hf_report, validate
 from ep_runtime.launch.presets import ModelPreset, RouterSpec
-from ep_runtime.launch.rank import Step, peak_memory_bytes
-from ep_runtime.launch.spec import RunSpec
-from ep_runtime.tolerance import compare_per_token, tolerance_for
-
-if TYPE_CHECKING:
-    from ep_runtime.launch.rank import RankWorker
-
-CONVENTIONS = (
-    "tok/s = generated tokens / time from the first step to this rank's last token",
-    "MoE s = time inside the EP blocks (router, dispatch, experts, combine, shared experts), "
-    "waiting for other ranks and zero-token steps included; rest = everything else in the loop",
-    "validation: the unpatched model, transformers' greedy generate, in the reporting process",
-)
+from ep_runtime.launch.spec import RankContext, RunOutcome, RunSpec, Step, Workload, torch_dtype
 
 
 @dataclass(frozen=True)
-class HFRun:
-    """What every rank runs: the model and each rank's request."""
+class HFWorkload(Workload):
+    """What every rank runs: the model, each rank's request, and the EP layer options."""
 
-    model: str  # a random architecture name or a local checkpoint directory
+    hf_model: str  # a random architecture name or a local checkpoint directory
+    model: ModelPreset  # the MoE layer shape, for the report (the ranks read the real blocks)
     prompt_lengths: tuple[int, ...]  # per rank; 0 = no request
     new_tokens: tuple[int, ...]  # per rank, at most
+    dtype: str = "auto"  # "auto", "bf16" or "fp32"
+    dispatcher: str = "auto"
+    experts: str = "auto"
+    layout: str = "auto"
+    mode: str = "exact"
+    warmup: bool = True
+    seed: int = 0
 
-    def prompt(self, rank: int, seed: int, vocab_size: int) -> list[int]:
+    def prompt(self, rank: int, vocab_size: int) -> list[int]:
         """Rank ``rank``'s prompt ids, the same in every process."""
-        generator = torch.Generator().manual_seed(seed * 7919 + rank)
+        generator = torch.Generator().manual_seed(self.seed * 7919 + rank)
         return torch.randint(
             0, vocab_size, (self.prompt_lengths[rank],), generator=generator
         ).tolist()
+
+    def compute_dtype(self, device: str) -> torch.dtype:
+        """``--dtype``, ``auto`` being bf16 on CUDA and fp32 on CPU."""
+        return torch_dtype(self.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+
+    def plan(self) -> list[Step]:
+        steps = [Step("setup", (), 1, "load model, patch MoE blocks")]
+        if self.warmup:
+            steps.append(Step("warmup", (), 1, "warm-up generation (2 tokens)"))
+        steps.append(Step("generate", (), 1, "greedy generation, all ranks in lockstep"))
+        steps.append(Step("summarize", (), 0, "summarize"))
+        return steps
+
+    def worker(self, context: RankContext) -> HFRankWorker:
+        return HFRankWorker(self, context)
+
+    def finish(self, spec: RunSpec, outcome: RunOutcome, console: Console) -> bool:
+        """Validate (reporting process only), print, write JSON."""
+        if not outcome.reports_here:
+            return True
+        summaries = sorted(outcome.summaries, key=lambda s: s["rank"])
+        validations = validate(spec, summaries)
+        report = build_hf_report(spec, outcome.launcher, summaries, outcome.elapsed_s, validations)
+        print_hf_report(report, console)
+        if outcome.json_path:
+            write_json(report, outcome.json_path)
+        return report["passed"]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        hf = {"model": data.pop("hf_model")}
+        hf |= {key: data.pop(key) for key in ("prompt_lengths", "new_tokens")}
+        return data | {"hf": hf}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,72 +179,52 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             f"--dp: {args.hf_model} has {model.num_experts} experts, "
             f"not divisible by {world_size} ranks"
         )
-    run = HFRun(
-        model=args.hf_model,
+    workload = HFWorkload(
+        hf_model=args.hf_model,
+        model=model,
         prompt_lengths=prompts,
         new_tokens=tuple(args.hf_new_tokens + 2 * rank for rank in range(world_size)),
-    )
-    return RunSpec(
-        model=model,
-        world_size=world_size,
-        device=args.device,
         dtype=args.dtype,
         dispatcher=args.dispatcher,
         experts=args.experts,
-        layouts=(args.layout,),
+        layout=args.layout,
         mode=args.mode,
-        iters=1,
-        warmup=min(args.warmup, 1),
+        warmup=args.warmup > 0,
         seed=args.seed,
-        baselines=False,
-        timeout_s=args.timeout,
-        hf=run,
     )
-
-
-def plan(spec: RunSpec) -> list[Step]:
-    """The collective steps of an ``--hf-model`` run, identical on every rank."""
-    steps = [Step("hf", ("setup",), 1, "load model, patch MoE blocks")]
-    if spec.warmup:
-        steps.append(Step("hf", ("warmup",), 1, "warm-up generation (2 tokens)"))
-    steps.append(Step("hf", ("generate",), 1, "greedy generation, all ranks in lockstep"))
-    steps.append(Step("hf", ("summarize",), 0, "summarize"))
-    return steps
+    return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
 
 class HFRankWorker:
     """One rank's model, EP blocks and generation; methods are the steps of ``plan``."""
 
-    def __init__(self, worker: RankWorker) -> None:
-        self.worker = worker
-        self.spec = worker.spec
-        self.run: HFRun = worker.spec.hf
-        self.rank = worker.rank
-        self.device = worker.device
-        self.dtype = self.spec.torch_dtype() or (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        )
+    def __init__(self, workload: HFWorkload, context: RankContext) -> None:
+        self.run = workload
+        self.context = context
+        self.rank = context.rank
+        self.device = context.device
+        self.dtype = workload.compute_dtype(context.device.type)
 
     def setup(self) -> dict:
         from ep_runtime.integrations.transformers import load_model, patch_moe_blocks
 
-        spec, run = self.spec, self.run
-        model = load_model(run.model, seed=spec.seed, dtype=self.dtype, device=str(self.device))
+        run = self.run
+        model = load_model(run.hf_model, seed=run.seed, dtype=self.dtype, device=str(self.device))
         self.params_before = sum(p.numel() for p in model.parameters())
         options: dict[str, Any] = {
-            "dispatcher": spec.dispatcher,
-            "experts": spec.experts,
-            "layout": spec.layouts[0],
-            "mode": spec.mode,
+            "dispatcher": run.dispatcher,
+            "experts": run.experts,
+            "layout": run.layout,
+            "mode": run.mode,
             "device": self.device,
         }
-        if spec.mode == "capacity":  # static buffers: the longest prompt must fit
+        if run.mode == "capacity":  # static buffers: the longest prompt must fit
             options["max_tokens_per_rank"] = max(1, *run.prompt_lengths)
         self.report = patch_moe_blocks(model, **options)
         gc.collect()
         self.model = model
         self.params_after = sum(p.numel() for p in model.parameters())
-        self.prompt = run.prompt(self.rank, spec.seed, model.config.vocab_size)
+        self.prompt = run.prompt(self.rank, model.config.vocab_size)
         return {"patched": self.report.describe()}
 
     def warmup(self) -> None:
@@ -241,9 +250,7 @@ class HFRankWorker:
         decode_s = result.active_s - result.prefill_s
         block = report.blocks[0].module
         return {
-            "rank": self.rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **self.context.describe(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": report.blocks[0].hf_class,
@@ -277,189 +284,3 @@ class HFRankWorker:
     def close(self) -> None:
         for block in getattr(getattr(self, "report", None), "blocks", []):
             block.module.ep.close()
-
-
-# the reporting process ----------------------------------------------------------------------------
-def reference_greedy(
-    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: list[int]
-) -> tuple[list[int], torch.Tensor]:
-    """transformers' own greedy ``generate`` on the unpatched model: tokens and ``[N, V]``
-    logits (a fresh GenerationConfig: no processors a checkpoint's defaults might add)."""
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else 0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    with torch.no_grad():
-        ids = torch.tensor([prompt], device=device)  # [1, P]
-        # an explicit mask: generate() would otherwise take ids equal to pad_token_id for padding
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.stack([step[0].float().cpu() for step in out.logits])
-
-
-def validate(spec: RunSpec, summaries: list[dict]) -> list[dict]:
-    """Every rank's tokens and logits against the unpatched model in this process."""
-    from ep_runtime.integrations.transformers import eos_ids, load_model
-
-    dtype = spec.torch_dtype() or (torch.bfloat16 if spec.device == "cuda" else torch.float32)
-    device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
-    model = load_model(spec.hf.model, seed=spec.seed, dtype=dtype, device=device)
-    eos = eos_ids(model)
-    shape = spec.model
-    tolerance = tolerance_for(dtype, max(shape.hidden_size, shape.intermediate_size))
-    results = []
-    for summary in summaries:
-        if not summary["prompt"]:
-            results.append(
-                {
-                    "passed": summary["tokens"] == [],
-                    "tokens_match": summary["tokens"] == [],
-                    "first_mismatch": None,
-                    "max_rel_err": 0.0,
-                    "tolerance": tolerance,
-                    "verdict": "no request: no tokens expected",
-                }
-            )
-            continue
-        tokens, logits = reference_greedy(model, summary["prompt"], summary["max_new_tokens"], eos)
-        ours = summary["tokens"]
-        mismatch = next(
-            (i for i, (a, b) in enumerate(zip(ours, tokens, strict=False)) if a != b),
-            None if len(ours) == len(tokens) else min(len(ours), len(tokens)),
-        )
-        compared = min(len(ours), len(tokens)) if mismatch is None else mismatch + 1
-        compared = min(compared, len(ours), len(tokens))
-        comparison = compare_per_token(
-            torch.from_numpy(summary["logits"][:compared]), logits[:compared], tolerance
-        )
-        results.append(
-            {
-                "passed": mismatch is None and comparison.passed,
-                "tokens_match": mismatch is None,
-                "first_mismatch": mismatch,
-                "reference_tokens": tokens,
-                "max_rel_err": comparison.max_relative_error,
-                "tolerance": tolerance,
-                "verdict": comparison.describe()
-                + ("" if mismatch is None else f"; tokens differ from step {mismatch}"),
-            }
-        )
-    return results
-
-
-def build_hf_report(
-    spec: RunSpec, launcher: str, summaries: list[dict], elapsed_s: float, validations: list[dict]
-) -> dict:
-    summaries = sorted(summaries, key=lambda s: s["rank"])
-    per_rank = []
-    for summary, validation in zip(summaries, validations, strict=True):
-        row = {k: v for k, v in summary.items() if k != "logits"}
-        row["generated"] = len(summary["tokens"])
-        row["rest_s"] = summary["total_s"] - summary["moe_s"]
-        row["validation"] = validation
-        row["passed"] = validation["passed"]
-        per_rank.append(row)
-    first = summaries[0]
-    return {
-        "passed": all(row["passed"] for row in per_rank),
-        "kind": "hf",
-        "world_size": len(summaries),
-        "launcher": launcher,
-        "device": spec.device,
-        "dtype": first["dtype"],
-        "model": spec.model.to_json(),
-        "hf_model": spec.hf.model,
-        "architecture": first["architecture"],
-        "moe_blocks": first["moe_blocks"],
-        "router": first["router"],
-        "choice": first["choice"],
-        "mode": spec.mode,
-        "steps": first["steps"],
-        "max_rel_err": max(v["max_rel_err"] for v in validations),
-        "tolerance": validations[0]["tolerance"],
-        "per_rank": per_rank,
-        "spec": spec.to_json(),
-        "conventions": list(CONVENTIONS),
-        "elapsed_s": elapsed_s,
-    }
-
-
-def print_hf_report(report: dict, console: Console) -> None:
-    model = report["model"]
-    verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
-    console.print(
-        f"{verdict}  {report['hf_model']} ({report['architecture']} × {report['moe_blocks']}, "
-        f"E={model['num_experts']} K={model['top_k']} H={model['hidden_size']} "
-        f"I={model['intermediate_size']})  W={report['world_size']} ({report['launcher']}, "
-        f"{report['device']}, {report['dtype']}, {report['mode']})  {report['steps']} lockstep "
-        f"steps  max logits rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e})",
-        highlight=False,
-    )
-    console.print(f"[dim]{report['choice'].splitlines()[0]}; router {report['router']}[/]")
-    table = Table(title="Ranks: greedy generation, each rank its own request")
-    columns = (
-        "rank", "prompt", "gen", "idle", "tok/s", "prefill ms", "MoE s", "rest s", "experts",
-        "params", "peak MB", "rel err", "tokens",
-    )  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
-    for r in report["per_rank"]:
-        v = r["validation"]
-        status = "[green]same[/]" if v["tokens_match"] else f"[red]differ @{v['first_mismatch']}[/]"
-        table.add_row(
-            str(r["rank"]),
-            str(len(r["prompt"])),
-            str(r["generated"]),
-            str(r["idle_steps"]),
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['prefill_s'] * 1e3:.1f}",
-            f"{r['moe_s']:.3f}",
-            f"{r['rest_s']:.3f}",
-            f"{r['local_experts'][0]}-{r['local_experts'][1] - 1}",
-            _count(r["expert_params_kept"]),
-            f"{r['peak_memory_bytes'] / 1e6:.0f}",
-            f"{v['max_rel_err']:.1e}",
-            status,
-        )
-    console.print(table)
-    console.print(
-        f"params = routed-expert parameters the rank keeps, of "
-        f"{_count(report['per_rank'][0]['expert_params_freed'])} in the model; "
-        + "; ".join(report["conventions"]),
-        highlight=False,
-    )
-
-
-def _count(number: int) -> str:
-    """12345678 → '12.3M'."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.3g}{unit}"
-    return str(number)
-
-
-def finish(
-    spec: RunSpec,
-    launcher: str,
-    summaries: list[dict],
-    elapsed_s: float,
-    is_reporter: bool,
-    console: Console,
-    json_path: str | None,
-) -> int:
-    """Validate (reporting process only), print, write JSON; the exit status (0 ok, 1 wrong)."""
-    if not is_reporter:
-        return 0
-    validations = validate(spec, sorted(summaries, key=lambda s: s["rank"]))
-    report = build_hf_report(spec, launcher, summaries, elapsed_s, validations)
-    print_hf_report(report, console)
-    if json_path:
-        write_json(report, json_path)
-    return 0 if report["passed"] else 1

@@ -15,7 +15,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from ep_runtime.launch.rank import Step
+from ep_runtime.launch.spec import Step
 
 
 class RunProgress:

@@ -28,8 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ep_runtime.launch.network import NODE_LOCAL_VARIABLES
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
-from ep_runtime.launch.rank import RankWorker, Step, plan
-from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec, resolve_device
+from ep_runtime.launch.rank import RankWorker, plan
+from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec, Step, resolve_device
 from ep_runtime.launch.supervision import (
     Failure,
     FailureKind,
@@ -114,7 +114,7 @@ class RankActor:
 
     def step(self, method: str, args: tuple) -> object:
         assert self.worker is not None, "start() first"
-        return getattr(self.worker, method)(*args)
+        return self.worker.step(method, args)
 
     def shutdown(self) -> None:
         if self.worker is not None:

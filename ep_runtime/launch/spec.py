@@ -1,73 +1,122 @@
-"""What a run is (``RunSpec``, picklable, sent to every rank) and how a failed run is reported."""
+"""What a run is: the launcher's fields and one ``Workload`` (``RunSpec``, picklable, sent to
+every rank), the collective ``Step`` s a workload is made of, and how a failed run is reported.
+
+A workload is three things: its ``plan`` (the steps, identical on every rank), a ``worker`` per
+rank (an object whose methods are the steps) and ``finish`` (validate, print and write the
+report in the launching process). ``launch/layer_run.py`` (one synthetic layer, the default)
+and ``launch/hf_run.py`` (a transformers model, ``--hf-model``) are the two workloads; the
+launchers (Ray, spawn, torchrun) and the rank runtime (``launch/rank.py``) know only this
+interface.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+import os
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ep_runtime.launch.presets import ModelPreset
-
 if TYPE_CHECKING:
-    from ep_runtime.launch.hf_run import HFRun
+    from rich.console import Console
+
+    from ep_runtime.comm import Comm
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-FAILURE_KINDS = ("raise", "input", "exit", "kill", "hang")
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """``--dtype``: ``None`` for ``auto`` (the layer chooses: bf16 on CUDA, fp32 on CPU)."""
+    return None if name == "auto" else DTYPES[name]
 
 
 @dataclass(frozen=True)
-class FailureInjection:
-    """Test hook: make ``rank`` fail at timed iteration ``iteration`` of the first layout.
+class Step:
+    """One collective step: ``<the workload's rank worker>.<method>(*args)``; ``work`` units
+    for progress bars."""
 
-    raise: a Python exception; input: ``EPInputError``, as a backend rejecting its input;
-    exit: ``os._exit(1)``; kill: SIGKILL itself; hang: sleep forever.
-    """
+    method: str
+    args: tuple
+    work: int
+    label: str
 
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a workload's rank worker gets from the rank runtime, once its process group is up."""
+
+    spec: RunSpec
     rank: int
-    kind: str
-    iteration: int = 0
+    device: torch.device
+    comm: Comm
+    node_ip: str | None = None
+    interfaces: dict[str, dict[str, str | None]] = field(default_factory=dict)
 
-    @staticmethod
-    def parse(text: str) -> FailureInjection:
-        """``RANK:KIND[:ITER]``, e.g. ``1:raise`` or ``0:kill:2``."""
-        parts = text.split(":")
-        if len(parts) not in (2, 3) or parts[1] not in FAILURE_KINDS:
-            raise ValueError(
-                f"--inject-failure: expected RANK:{'|'.join(FAILURE_KINDS)}[:ITER], given {text!r}"
-            )
-        return FailureInjection(int(parts[0]), parts[1], int(parts[2]) if len(parts) == 3 else 0)
+    def describe(self) -> dict:
+        """Where this rank runs and which interface each backend was told to use (and by whom)."""
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "node_ip": self.node_ip,
+            "interfaces": self.interfaces,
+        }
+
+
+class WorkloadWorker(Protocol):
+    """One rank's part of a workload: a method per ``Step.method`` of its plan, and ``close``.
+    The last step returns the rank's summary (a picklable dict)."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """A run that every rank finished: what ``Workload.finish`` reports on."""
+
+    launcher: str
+    summaries: list[dict]  # the last step's result of every rank, by rank
+    elapsed_s: float
+    reports_here: bool  # this process prints and writes the report (torchrun: rank 0 only)
+    json_path: str | None = None
+    plot_path: str | None = None
+
+
+class Workload(ABC):
+    """What the ranks run (a frozen dataclass in each implementation: it travels to the ranks)."""
+
+    @abstractmethod
+    def plan(self) -> list[Step]:
+        """The collective steps, identical on every rank."""
+
+    @abstractmethod
+    def worker(self, context: RankContext) -> WorkloadWorker:
+        """This rank's worker; no CUDA work before its first step."""
+
+    @abstractmethod
+    def finish(self, spec: RunSpec, outcome: RunOutcome, console: Console) -> bool:
+        """Validate what needs the launching process, print and write the report; whether the
+        run passed (a process that does not report answers True)."""
+
+    @abstractmethod
+    def to_json(self) -> dict:
+        """The workload's fields, for the JSON report."""
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a rank needs to build and run its part, identical on every rank."""
+    """The launcher's fields and the workload, identical on every rank."""
 
-    model: ModelPreset
     world_size: int
     device: str  # "cpu" or "cuda", resolved by the launcher
-    dtype: str  # "auto", "bf16" or "fp32"
-    dispatcher: str = "auto"
-    experts: str = "auto"
-    layouts: tuple[str, ...] = ("auto",)  # one layer per entry, run one after the other
-    mode: str = "exact"
-    iters: int = 10
-    warmup: int = 3
-    seed: int = 0
-    validate_tokens: int = 64  # per rank; 0 = every token
-    baselines: bool = True
+    workload: Workload
     timeout_s: float = 60.0  # every collective; a desync fails instead of hanging
-    inject_failure: FailureInjection | None = None
-    hf: HFRun | None = None  # --hf-model: a transformers model generating (launch/hf_run.py)
-
-    def torch_dtype(self) -> torch.dtype | None:
-        """``None`` lets ``MoEConfig`` choose (bf16 on CUDA, fp32 on CPU)."""
-        return None if self.dtype == "auto" else DTYPES[self.dtype]
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        data["model"] = self.model.to_json()
-        return data
+        launcher = {"world_size": self.world_size, "device": self.device}
+        return launcher | {"timeout_s": self.timeout_s} | self.workload.to_json()
 
 
 def resolve_device(requested: str, world_size: int, gpus: float, where: str) -> str:

@@ -1,6 +1,6 @@
 """Turn launcher reports (``python -m ep_runtime.launch ... --json``) into BENCHMARKS.md tables.
 
-Usage: ``python scripts/summarize_bench.py REPORT.json|RUNS.jsonl ... [--jsonl MERGED.jsonl]``.
+Usage: ``python -m ep_runtime.bench.summary REPORT.json|RUNS.jsonl ... [--jsonl MERGED.jsonl]``.
 Each report becomes one row: dispatch and combine bandwidth (bytes received per rank, own tokens
 included: DeepEP's definition, as the launcher measures it) as ratios to the same run's
 ``all_to_all_single`` floor and to the published anchors, expert TFLOP/s, layer time, tokens/s and
@@ -180,7 +180,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_runtime.bench.summary", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("reports", nargs="+", help="launcher --json files, or .jsonl files")
     parser.add_argument("--jsonl", help="also write every report, one per line, to this file")
     args = parser.parse_args(argv)

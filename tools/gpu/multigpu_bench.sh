@@ -8,17 +8,17 @@
 #   comm.jsonl   their --json reports, one per line
 #   layer.log    launcher output of the full layer at EP8
 #   layer.jsonl  its --json reports
-#   summary.md   scripts/summarize_bench.py over both .jsonl files: paste into BENCHMARKS.md
+#   summary.md   python -m ep_runtime.bench.summary over both .jsonl files: paste into BENCHMARKS.md
 # EP sizes above the GPU count (nvidia-smi -L) are skipped, and the summary says so.
 # deepep_v2 joins the communication points where `import deep_ep` works (docs/deepep.md: build
 # it with the system g++); on one node without GIN the adapter sets EP_DISABLE_GIN=1 itself.
 # One device command may run at most 10 minutes: run the parts in separate commands if needed
-# (--parts suite, --parts comm, --parts layer), each with its own $OUT; summarize_bench.py takes
+# (--parts suite, --parts comm, --parts layer), each with its own $OUT; ep_runtime.bench.summary takes
 # the .jsonl files of several runs.
 #
 # --ep and --tokens narrow the communication points (e.g. --parts comm --ep 8 --tokens 4096).
 #
-# usage: scripts/multigpu_bench.sh [--dry-run] [--gpus N] [--parts suite,comm,layer]
+# usage: tools/gpu/multigpu_bench.sh [--dry-run] [--gpus N] [--parts suite,comm,layer]
 #          [--ep 2,4,8] [--tokens 128,4096] [--iters N] [--python PYTHON] [--run-timeout S]
 set -euo pipefail
 
@@ -163,7 +163,7 @@ for part in comm layer; do
 done
 if (( ${#JSONLS[@]} )); then
   {
-    "$PYTHON" scripts/summarize_bench.py "${JSONLS[@]}" || FAILURES=$((FAILURES + 1))
+    "$PYTHON" -m ep_runtime.bench.summary "${JSONLS[@]}" || FAILURES=$((FAILURES + 1))
     if [[ -n "$SKIP_NOTE" ]]; then printf '\n%s\n' "$SKIP_NOTE"; fi
   } > "$OUT/summary.md"
 fi

@@ -1,7 +1,7 @@
 """Where a layer forward spends host time: cProfile over forwards of one point of
 ``python -m ep_runtime.bench`` (one CUDA GPU), and the host time per forward.
 
-    python scripts/profile_forward.py --point qwen3-30b-a3b-decode --forwards 50
+    python -m ep_runtime.bench.profile_forward --point qwen3-30b-a3b-decode --forwards 50
 """
 
 from __future__ import annotations
@@ -11,17 +11,16 @@ import cProfile
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from ep_runtime.bench.layer import POINTS, build_layer, inputs
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_runtime.bench.profile_forward", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--point", choices=sorted(POINTS), default="qwen3-30b-a3b-decode")
     parser.add_argument("--forwards", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the CPU machine, from anywhere: put into .whl/ (ignored by git, carried with a device run)
-# what launch/gpu_check.sh needs on the GPU machine (Python 3.12, torch 2.11, no rich, no ray).
-#   launch/prepare_gpu_wheels.sh            # rich + a slimmed Ray (about 45 MB in all)
-#   WITH_RAY=0 launch/prepare_gpu_wheels.sh # rich only: the spawn and torchrun launchers
+# what tools/gpu/launch_check.sh needs on the GPU machine (Python 3.12, torch 2.11, no rich, no
+# ray: the 'launch' extra, from wheels).
+#   tools/gpu/prepare_wheels.sh             # rich + a slimmed Ray (about 45 MB in all)
+#   WITH_RAY=0 tools/gpu/prepare_wheels.sh  # rich only: the spawn and torchrun launchers
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
 mkdir -p .whl
 download() {

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Everything the single-H200 machine can check, in parts that each fit one 10-minute device
-# call (run them back to back; carry .whl/, made by launch/prepare_gpu_wheels.sh plus the
+# call (run them back to back; carry .whl/, made by tools/gpu/prepare_wheels.sh plus the
 # trimmed flashinfer-python 0.7.2.post1 and apache-tvm-ffi wheels, and transformers for hf):
-#   bash scripts/gpu_session.sh check     # Triton kernels vs their torch twins (tests, per-op
-#                                         # timings, kernels per forward), the CUDA pytest files at
-#                                         # world size 1, and python -m ep_runtime.bench
-#   bash scripts/gpu_session.sh hf        # scripts/hf_bench.py: transformers' MoE vs ours
-#   bash scripts/gpu_session.sh tests     # pytest (CUDA + multi-rank), NCCL/GIN probe, DeepEP and
-#                                         # FlashInfer refusal checks
-#   bash scripts/gpu_session.sh launch    # the launcher: spawn, torchrun, Ray; presets; DSV3 memory
-#   bash scripts/gpu_session.sh bench     # BENCHMARKS.md figures: DSV3 EP8 shard and Qwen3 at W=1,
-#                                         # exact and capacity (eager and CUDA-graph replay)
+#   bash tools/gpu/session.sh check     # Triton kernels vs their torch twins (tests at odd and at
+#                                       # model shapes, per-op timings, kernels per forward), the
+#                                       # CUDA pytest files at world size 1, python -m ep_runtime.bench
+#   bash tools/gpu/session.sh hf        # python -m ep_runtime.bench.hf: transformers' MoE vs ours
+#   bash tools/gpu/session.sh tests     # pytest (CUDA + multi-rank, auto's choice of DeepEP and
+#                                       # FlashInfer and their refusals), NCCL/GIN probe
+#   bash tools/gpu/session.sh launch    # the launcher: spawn, torchrun, Ray; presets; DSV3 memory
+#   bash tools/gpu/session.sh bench     # BENCHMARKS.md figures: DSV3 EP8 shard and Qwen3 at W=1,
+#                                       # exact and capacity (eager and CUDA-graph replay)
 # Logs go to $OUT (the device tool's folder) or ./out.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-part="${1:?usage: gpu_session.sh tests|launch}"
+cd "$(dirname "$0")/../.."
+part="${1:?usage: tools/gpu/session.sh check|hf|tests|launch|bench}"
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 site=/tmp/ep_site
@@ -31,9 +31,14 @@ if [[ "$part" == check ]]; then
   section environment
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  section "Triton kernels: tests on CUDA, per-op results and timings, kernels per forward"
-  timeout 300 python3 scripts/gpu_kernels_check.py --out "$OUT/kernels.json"
-  echo "gpu_kernels_check exit $?"
+  section "Triton kernels: tests on CUDA (odd shapes, model shapes)"
+  xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)  # compiling dominates: spread it
+  timeout 200 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_kernels.py \
+    tests/test_kernels_at_model_shapes.py
+  echo "kernel tests exit $?"
+  section "Triton kernels: per-op timings, kernels per forward"
+  timeout 200 python3 -m ep_runtime.bench.kernels --json "$OUT/kernels.json"
+  echo "bench.kernels exit $?"
   section "pytest: CUDA tests and the suite at world size 1 (NCCL)"
   EP_TEST_WORLD_SIZES=1 EP_TEST_GROUP_TIMEOUT_S=60 timeout 200 python3 -m pytest -q \
     -p no:cacheprovider -n 4 --timeout 120 tests/multigpu/test_cuda.py \
@@ -44,9 +49,9 @@ if [[ "$part" == check ]]; then
   echo "bench exit $?"
 elif [[ "$part" == hf ]]; then
   exec > >(tee "$OUT/hf.log") 2>&1
-  section "scripts/hf_bench.py"
-  timeout 400 python3 scripts/hf_bench.py --json "$OUT/hf_bench.json"
-  echo "hf_bench exit $?"
+  section "python -m ep_runtime.bench.hf"
+  timeout 400 python3 -m ep_runtime.bench.hf --json "$OUT/hf_bench.json"
+  echo "bench.hf exit $?"
 elif [[ "$part" == tests ]]; then
   exec > >(tee "$OUT/tests.log") 2>&1
   section environment
@@ -54,10 +59,7 @@ elif [[ "$part" == tests ]]; then
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   section "NCCL / GIN probe"
   timeout 60 python3 -m ep_runtime.dispatch.nccl_probe
-  section "DeepEP: auto's choice, or its refusal with the reason"
-  timeout 120 python3 scripts/gpu_deepep_check.py; echo "gpu_deepep_check exit $?"
-  section "FlashInfer: refusals timed, auto's choice"
-  timeout 120 python3 scripts/gpu_flashinfer_check.py; echo "gpu_flashinfer_check exit $?"
+  # CUDA-only tests (auto's choice of DeepEP and FlashInfer, refusals timed) and the suite
   section "pytest: CUDA-only tests and the multi-rank suite (W=1 on NCCL, W=2/4 on gloo)"
   EP_TEST_GROUP_TIMEOUT_S=60 timeout 420 python3 -m pytest -q -p no:cacheprovider -rs \
     --timeout 240 --ignore=tests/test_launch_ray.py --junitxml "$OUT/pytest.xml" tests
@@ -66,8 +68,8 @@ elif [[ "$part" == launch ]]; then
   exec > >(tee "$OUT/launch.log") 2>&1
   section "launcher GPU checks"
   runs=/tmp/launch_runs
-  OUT="$runs" timeout 560 bash launch/gpu_check.sh
-  echo "gpu_check exit $?"
+  OUT="$runs" timeout 560 bash tools/gpu/launch_check.sh
+  echo "launch_check exit $?"
   tar czf "$OUT/launch_runs.tgz" -C "$runs" .
 elif [[ "$part" == bench ]]; then
   exec > >(tee "$OUT/bench.log") 2>&1

@@ -9,8 +9,8 @@ of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-bat
 with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
 medians over ``--iters`` (after ``--warmup``), device-synchronised.
 
-    python scripts/hf_bench.py                  # GPU: bf16, the shapes above
-    python scripts/hf_bench.py --tiny           # CPU check: a small model, a few tokens
+    python -m ep_runtime.bench.hf               # GPU: bf16, the shapes above
+    python -m ep_runtime.bench.hf --tiny        # CPU check: a small model, a few tokens
 
 ``--fp32-reference`` also runs the unpatched model once in fp32 (the same weights, upcast, with
 transformers' eager experts) and prints every implementation's distance from it (max per-token
@@ -33,8 +33,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from ep_runtime.integrations.transformers import patch_moe_blocks, require_transformers
 from ep_runtime.tolerance import compare_per_token, tolerance_for
@@ -78,7 +76,9 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        prog="python -m ep_runtime.bench.hf",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("--tiny", action="store_true", help="a small model and workload (CPU)")
     parser.add_argument("--layers", type=int, default=4)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     console = Console(width=120)
-    command = "python scripts/hf_bench.py " + " ".join(
+    command = "python -m ep_runtime.bench.hf " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     torch.manual_seed(args.seed)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU acceptance runs of the launcher, for the 1×H200 machine (Python 3.12, torch 2.11, no ray and
-# no rich there): first run launch/prepare_gpu_wheels.sh on the CPU machine so .whl/ travels with
+# no rich there): first run tools/gpu/prepare_wheels.sh on the CPU machine so .whl/ travels with
 # the checkout, then on the device, from the repo root:
-#   bash launch/gpu_check.sh
+#   bash tools/gpu/launch_check.sh
 # Reports go to $OUT (the device tool's folder) or ./out. Exit status 0 only if every run passed.
-# DEVICE=cpu SMALL=1 bash launch/gpu_check.sh rehearses the script on a CPU machine.
+# DEVICE=cpu SMALL=1 bash tools/gpu/launch_check.sh rehearses the script on a CPU machine.
 #
 # On a machine with 8 GPUs, the same launcher runs real EP8 (each rank builds only its 32 of
 # DeepSeek-V3's 256 experts, 2.8 GB of bf16 weights, and validates on a token sample):
@@ -12,7 +12,7 @@
 #   torchrun --standalone --nproc-per-node 8 -m ep_runtime.launch --model deepseek-v3
 #   python3 -m ep_runtime.launch --dp 8 --device cuda --model deepseek-v3        # Ray
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-out}"
 DEVICE="${DEVICE:-cuda}"
 mkdir -p "$OUT"
@@ -72,7 +72,7 @@ if python3 -c "import ray" 2>/dev/null; then
   launch ray_dsv3_ep8_shard --launcher ray --address local --dp 1 --model deepseek-v3 \
     --num-experts 32 "${shrink[@]}"
 else
-  echo "=== ray: not importable (run launch/prepare_gpu_wheels.sh first); skipped"
+  echo "=== ray: not importable (run tools/gpu/prepare_wheels.sh first); skipped"
   failed+=(ray_missing)
 fi
 

@@ -1,0 +1,184 @@
+"""The reporting process of an ``--hf-model`` run (``launch/hf_run.py``): every rank's tokens and
+logits against transformers' own greedy ``generate`` on the unpatched model, and the report."""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ep_runtime.launch.spec import RunSpec
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+
+CONVENTIONS = (
+    "tok/s = generated tokens / time from the first step to this rank's last token",
+    "MoE s = time inside the EP blocks (router, dispatch, experts, combine, shared experts), "
+    "waiting for other ranks and zero-token steps included; rest = everything else in the loop",
+    "validation: the unpatched model, transformers' greedy generate, in the reporting process",
+)
+
+
+def reference_greedy(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: list[int]
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy ``generate`` on the unpatched model: tokens and ``[N, V]``
+    logits (a fresh GenerationConfig: no processors a checkpoint's defaults might add)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else 0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device=device)  # [1, P]
+        # an explicit mask: generate() would otherwise take ids equal to pad_token_id for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.stack([step[0].float().cpu() for step in out.logits])
+
+
+def validate(spec: RunSpec, summaries: list[dict]) -> list[dict]:
+    """Every rank's tokens and logits against the unpatched model in this process."""
+    from ep_runtime.integrations.transformers import eos_ids, load_model
+
+    run = spec.workload
+    dtype = run.compute_dtype(spec.device)
+    device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
+    model = load_model(run.hf_model, seed=run.seed, dtype=dtype, device=device)
+    eos = eos_ids(model)
+    shape = run.model
+    tolerance = tolerance_for(dtype, max(shape.hidden_size, shape.intermediate_size))
+    results = []
+    for summary in summaries:
+        if not summary["prompt"]:
+            results.append(
+                {
+                    "passed": summary["tokens"] == [],
+                    "tokens_match": summary["tokens"] == [],
+                    "first_mismatch": None,
+                    "max_rel_err": 0.0,
+                    "tolerance": tolerance,
+                    "verdict": "no request: no tokens expected",
+                }
+            )
+            continue
+        tokens, logits = reference_greedy(model, summary["prompt"], summary["max_new_tokens"], eos)
+        ours = summary["tokens"]
+        mismatch = next(
+            (i for i, (a, b) in enumerate(zip(ours, tokens, strict=False)) if a != b),
+            None if len(ours) == len(tokens) else min(len(ours), len(tokens)),
+        )
+        compared = min(len(ours), len(tokens)) if mismatch is None else mismatch + 1
+        compared = min(compared, len(ours), len(tokens))
+        comparison = compare_per_token(
+            torch.from_numpy(summary["logits"][:compared]), logits[:compared], tolerance
+        )
+        results.append(
+            {
+                "passed": mismatch is None and comparison.passed,
+                "tokens_match": mismatch is None,
+                "first_mismatch": mismatch,
+                "reference_tokens": tokens,
+                "max_rel_err": comparison.max_relative_error,
+                "tolerance": tolerance,
+                "verdict": comparison.describe()
+                + ("" if mismatch is None else f"; tokens differ from step {mismatch}"),
+            }
+        )
+    return results
+
+
+def build_hf_report(
+    spec: RunSpec, launcher: str, summaries: list[dict], elapsed_s: float, validations: list[dict]
+) -> dict:
+    summaries = sorted(summaries, key=lambda s: s["rank"])
+    per_rank = []
+    for summary, validation in zip(summaries, validations, strict=True):
+        row = {k: v for k, v in summary.items() if k != "logits"}
+        row["generated"] = len(summary["tokens"])
+        row["rest_s"] = summary["total_s"] - summary["moe_s"]
+        row["validation"] = validation
+        row["passed"] = validation["passed"]
+        per_rank.append(row)
+    first = summaries[0]
+    return {
+        "passed": all(row["passed"] for row in per_rank),
+        "kind": "hf",
+        "world_size": len(summaries),
+        "launcher": launcher,
+        "device": spec.device,
+        "dtype": first["dtype"],
+        "model": spec.workload.model.to_json(),
+        "hf_model": spec.workload.hf_model,
+        "architecture": first["architecture"],
+        "moe_blocks": first["moe_blocks"],
+        "router": first["router"],
+        "choice": first["choice"],
+        "mode": spec.workload.mode,
+        "steps": first["steps"],
+        "max_rel_err": max(v["max_rel_err"] for v in validations),
+        "tolerance": validations[0]["tolerance"],
+        "per_rank": per_rank,
+        "spec": spec.to_json(),
+        "conventions": list(CONVENTIONS),
+        "elapsed_s": elapsed_s,
+    }
+
+
+def print_hf_report(report: dict, console: Console) -> None:
+    model = report["model"]
+    verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
+    console.print(
+        f"{verdict}  {report['hf_model']} ({report['architecture']} × {report['moe_blocks']}, "
+        f"E={model['num_experts']} K={model['top_k']} H={model['hidden_size']} "
+        f"I={model['intermediate_size']})  W={report['world_size']} ({report['launcher']}, "
+        f"{report['device']}, {report['dtype']}, {report['mode']})  {report['steps']} lockstep "
+        f"steps  max logits rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e})",
+        highlight=False,
+    )
+    console.print(f"[dim]{report['choice'].splitlines()[0]}; router {report['router']}[/]")
+    table = Table(title="Ranks: greedy generation, each rank its own request")
+    columns = (
+        "rank", "prompt", "gen", "idle", "tok/s", "prefill ms", "MoE s", "rest s", "experts",
+        "params", "peak MB", "rel err", "tokens",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right", no_wrap=True)
+    for r in report["per_rank"]:
+        v = r["validation"]
+        status = "[green]same[/]" if v["tokens_match"] else f"[red]differ @{v['first_mismatch']}[/]"
+        table.add_row(
+            str(r["rank"]),
+            str(len(r["prompt"])),
+            str(r["generated"]),
+            str(r["idle_steps"]),
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['prefill_s'] * 1e3:.1f}",
+            f"{r['moe_s']:.3f}",
+            f"{r['rest_s']:.3f}",
+            f"{r['local_experts'][0]}-{r['local_experts'][1] - 1}",
+            _count(r["expert_params_kept"]),
+            f"{r['peak_memory_bytes'] / 1e6:.0f}",
+            f"{v['max_rel_err']:.1e}",
+            status,
+        )
+    console.print(table)
+    console.print(
+        f"params = routed-expert parameters the rank keeps, of "
+        f"{_count(report['per_rank'][0]['expert_params_freed'])} in the model; "
+        + "; ".join(report["conventions"]),
+        highlight=False,
+    )
+
+
+def _count(number: int) -> str:
+    """12345678 → '12.3M'."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return str(number)
