@@ -127,8 +127,8 @@ class RaySession:
                 self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
                 self.owns_cluster = True
                 # Ray's services listen on every interface whatever it is told (it maps a
-                # loopback node address back to the machine's); its token is their guard
-                os.environ.setdefault("RAY_AUTH_MODE", "token")
+                # loopback node address back to the machine's); its token guards them, on by
+                # default for a local cluster since Ray 2.59 (RAY_AUTH_MODE=disabled: off)
                 ray.init(
                     address="local",
                     include_dashboard=False,
