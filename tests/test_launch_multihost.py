@@ -6,7 +6,9 @@ auth. The launcher is submitted with ``ray job submit`` to the head and runs 2 r
 Cases: ``/etc/hosts`` mapping the host name to the host's own address and to ``127.0.1.1`` (the
 Debian default that broke gloo), with no interface variable; a per-node ``GLOO_SOCKET_IFNAME``
 that differs between the hosts; a bogus interface name on host B only, which must be blamed on a
-rank of host B with its own error. Everything is torn down by namespace and PID, and checked gone.
+rank of host B with its own error. While a job runs, the sockets its processes listen on are
+read in each namespace: the store and gloo listen on their host's address only, not on every
+interface. Everything is torn down by namespace and PID, and checked gone.
 Needs root (or the skip says what is missing); uses 2 CPUs and about a minute.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.listeners import Listener, listening_in_namespace, ray_grpc_ports
 from tests.processes import ENV, alive, kill_all, process_table
 
 SUBNET = "10.213.71"  # private /24, lives only inside the two namespaces
@@ -220,16 +223,48 @@ class TwoHosts:
         for host in hosts:
             self.node_env[self.hosts.index(host)] = None
 
-    def submit(self, report: Path) -> subprocess.CompletedProcess:
-        """``ray job submit`` of the launcher from host A, waiting for the job to end."""
+    def submit(
+        self, report: Path, watch: bool = True
+    ) -> tuple[subprocess.CompletedProcess, dict[str, set[Listener]]]:
+        """``ray job submit`` of the launcher from host A, waiting for the job to end; and (if
+        ``watch``), by host name, what the run's own processes (its driver, the rank actors)
+        listened on meanwhile, less Ray's own gRPC servers (by Ray's log lines)."""
         a = self.hosts[0]
         argv = a.command(
             str(RAY_BIN), "job", "submit", "--address", f"http://{a.address}:8265", "--",
             "python", "-m", "ep_runtime.launch", *LAUNCH_ARGS, "--json", str(report),
         )  # fmt: skip
-        return subprocess.run(
-            argv, env=self.env(a), capture_output=True, text=True, timeout=JOB_TIMEOUT_S
-        )
+        seen: dict[str, set[Listener]] = {host.name: set() for host in self.hosts}
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            job = subprocess.Popen(argv, env=self.env(a), stdout=out, stderr=err, text=True)
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while watch and job.poll() is None and time.monotonic() < deadline:
+                table = process_table()
+                for host in self.hosts:
+                    run = [p for p in self._netns_pids(host.netns) if _of_the_run(table, p)]
+                    seen[host.name] |= listening_in_namespace(run)
+                time.sleep(0.5)
+            try:
+                job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                job.kill()
+                raise
+            out.seek(0), err.seek(0)
+            done = subprocess.CompletedProcess(argv, job.returncode, out.read(), err.read())
+        for host in self.hosts:
+            rays = ray_grpc_ports(host.temp_dir / "session_latest")
+            seen[host.name] = {
+                item for item in seen[host.name] if (item.pid, item.port) not in rays
+            }
+        return done, seen
+
+
+def _of_the_run(table: dict[int, tuple[int, str, str]], pid: int) -> bool:
+    """The launcher's driver (not ``ray job submit``) or one of its rank actors."""
+    command = table.get(pid, (0, "", ""))[2]
+    return command.startswith("ray::RankActor") or (
+        "ep_runtime.launch" in command and "job submit" not in command
+    )
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +288,8 @@ def two_hosts() -> Iterator[TwoHosts]:
         assert not left, f"left behind: {left}"
 
 
-def _check_ranks_on_both_hosts(pair: TwoHosts, job, report: Path) -> dict:
+def _check_ranks_on_both_hosts(pair: TwoHosts, submitted, report: Path) -> dict:
+    job, listeners = submitted
     output = job.stdout + job.stderr
     assert job.returncode == 0, output
     assert "succeeded" in output and "PASSED" in output
@@ -266,6 +302,10 @@ def _check_ranks_on_both_hosts(pair: TwoHosts, job, report: Path) -> dict:
         (2, b.name, b.address), (3, b.name, b.address),
     ]  # fmt: skip
     assert all(r["passed"] for r in data["per_rank"])
+    # the store (rank 0, host A) and each rank's gloo listener, on its host's address only
+    for host in pair.hosts:
+        assert all(item.address == host.address for item in listeners[host.name]), listeners
+    assert [len(listeners[host.name]) for host in pair.hosts] == [1 + 2, 2], listeners
     return data
 
 
@@ -309,7 +349,7 @@ def test_bad_interface_on_one_host_is_blamed_on_a_rank_of_that_host(two_hosts, t
     two_hosts.cluster({GLOO: a.interface}, {GLOO: "bogus0"})  # A as above: only B restarts
     report = tmp_path / "report.json"
     started = time.monotonic()
-    job = two_hosts.submit(report)
+    job, _ = two_hosts.submit(report, watch=False)  # timed: no sampling beside it
     output = job.stdout + job.stderr
     assert job.returncode != 0, output
     assert "exit code 3" in output, output

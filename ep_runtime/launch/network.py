@@ -5,10 +5,13 @@ for NCCL's bootstrap and socket transport):
 
 1. a value already in the rank's environment: set in that node's ``ray start`` environment (or
    for every node in the job's runtime env); the launcher never forwards the driver's value;
-2. on a run that spans several nodes, the launcher's default: the interface that holds the IP
-   address Ray registered for the rank's node;
-3. otherwise torch's and NCCL's own choice (gloo: the address the host name resolves to, which
-   is a loopback address where ``/etc/hosts`` maps the host name to ``127.0.1.1``).
+2. the launcher's default, the interface that holds the address the rank's peers reach it by:
+   on a run within one host (spawn, torchrun on one node, Ray on one node) the loopback
+   interface, so that nothing of the run listens beyond the machine; on a Ray run across nodes
+   the IP address Ray registered for the rank's node;
+3. otherwise (torchrun across nodes: no launcher knows the address) torch's and NCCL's own
+   choice (gloo: the address the host name resolves to, which is a loopback address where
+   ``/etc/hosts`` maps the host name to ``127.0.1.1``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ INTERFACE_VARIABLES = (GLOO_INTERFACE, NCCL_INTERFACE)
 NODE_LOCAL_VARIABLES = (*INTERFACE_VARIABLES, "TP_SOCKET_IFNAME", "NCCL_IB_HCA")
 
 SOURCE_NODE = "node"  # already in the rank's environment
-SOURCE_LAUNCHER = "launcher"  # the interface holding the node's IP
+SOURCE_LAUNCHER = "launcher"  # the interface holding the address peers reach the rank by
 SOURCE_TORCH = "torch"  # left unset: torch / NCCL choose
 
 
@@ -92,8 +95,9 @@ def apply_interface_defaults(
     environment has none, before the process group is created; returns, per variable, the
     value in force and its source (``node``, ``launcher`` or ``torch``).
 
-    ``node_ip`` is the address Ray registered for this rank's node, ``None`` on a one-node run
-    (the store is on loopback there and torch's choice works)."""
+    ``node_ip`` is the address the rank's peers reach it by: ``rendezvous.LOOPBACK`` on a run
+    within one host, the address Ray registered for the rank's node on a run across nodes;
+    ``None`` where no launcher knows it (torchrun across nodes)."""
     env = os.environ if environ is None else environ
     interface = interface_holding(node_ip) if node_ip else None
     chosen: dict[str, dict[str, str | None]] = {}

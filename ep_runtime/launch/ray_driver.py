@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 
 import ray
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ep_runtime.launch.network import NODE_LOCAL_VARIABLES
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
 from ep_runtime.launch.rank import RankWorker, plan
+from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 from ep_runtime.launch.spec import LaunchError, RankFailure, RunSpec, Step, resolve_device
 from ep_runtime.launch.supervision import (
     Failure,
@@ -86,29 +86,17 @@ class RankActor:
         }
 
     def bind_store(self, host: str) -> int:
-        """Rank 0: the kernel picks the port atomically; the driver hands it to the others."""
-        self.store = dist.TCPStore(
-            host,
-            0,
-            self.spec.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.spec.timeout_s),
-        )
+        """Rank 0: the kernel picks the port atomically; the driver hands it to the others. The
+        store listens on ``host`` only (``rendezvous``)."""
+        self.store = host_store(host, self.spec.world_size, self.spec.timeout_s)
         return self.store.port
 
     def start(
         self, rank: int, device_index: int | None, host: str, port: int, node_ip: str | None
     ) -> None:
-        """Join the store and the process group; ``node_ip`` (runs across nodes): bind gloo and
-        NCCL to the interface holding it unless this node set its own (``network``)."""
-        store = self.store or dist.TCPStore(
-            host,
-            port,
-            self.spec.world_size,
-            is_master=False,
-            timeout=timedelta(seconds=self.spec.timeout_s),
-        )
+        """Join the store and the process group; gloo and NCCL are bound to the interface
+        holding ``node_ip`` (loopback on one node) unless this node set its own (``network``)."""
+        store = self.store or join_store(host, port, self.spec.world_size, self.spec.timeout_s)
         self.worker = RankWorker(self.spec, rank, device_index, node_ip)
         self.worker.init_process_group(store=store)
 
@@ -138,9 +126,13 @@ class RaySession:
                 # stay under the 107-byte limit, and everything is removed at the end
                 self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
                 self.owns_cluster = True
+                # Ray's services listen on every interface whatever it is told (it maps a
+                # loopback node address back to the machine's); its token guards them, on by
+                # default for a local cluster since Ray 2.59 (RAY_AUTH_MODE=disabled: off)
                 ray.init(
                     address="local",
                     include_dashboard=False,
+                    dashboard_host=LOOPBACK,
                     _temp_dir=self.temp_dir,
                     logging_level="WARNING",
                 )
@@ -271,7 +263,7 @@ def run_with_ray(
             order = rank_order(metas)
             actors, metas = [actors[i] for i in order], [metas[i] for i in order]
             spans_nodes = len({m["node_id"] for m in metas}) > 1
-            host = metas[0]["ip"] if spans_nodes else "127.0.0.1"
+            host = metas[0]["ip"] if spans_nodes else LOOPBACK
             progress.status("rendezvous")
             [port] = supervise(
                 [actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s, abandoned
@@ -279,7 +271,7 @@ def run_with_ray(
             supervise(
                 [
                     a.start.remote(
-                        r, m["device_index"], host, port, m["ip"] if spans_nodes else None
+                        r, m["device_index"], host, port, m["ip"] if spans_nodes else LOOPBACK
                     )
                     for r, (a, m) in enumerate(zip(actors, metas, strict=True))
                 ],

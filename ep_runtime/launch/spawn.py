@@ -2,7 +2,8 @@
 
 The parent hosts the TCPStore on port 0 (the kernel picks the port; no race) and supervises the
 children: on the first failure it collects failures for a grace window, terminates the rest and
-raises the root cause. Rank r uses GPU r in CUDA mode.
+raises the root cause. Rank r uses GPU r in CUDA mode. The store, gloo and NCCL listen on
+loopback only (``rendezvous``, ``network``): nothing of the run is reachable from elsewhere.
 
 Only the parent acts on Ctrl-C: the children are started with SIGINT blocked and then ignore it,
 so a Ctrl-C in the terminal (SIGINT to the whole process group) makes the parent stop every rank
@@ -24,14 +25,13 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_runtime.launch.progress import ProgressFactory
 from ep_runtime.launch.rank import RankWorker, plan, run_plan
+from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 from ep_runtime.launch.spec import RunSpec, resolve_device
 from ep_runtime.launch.supervision import (
     GRACE_S,
@@ -77,10 +77,8 @@ def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue, parent_pid
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one is discarded
     try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)
-        )
-        worker = RankWorker(spec, rank, rank if spec.device == "cuda" else None)
+        store = join_store(LOOPBACK, port, None, spec.timeout_s)
+        worker = RankWorker(spec, rank, rank if spec.device == "cuda" else None, LOOPBACK)
         worker.init_process_group(store=store)
         on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
         summary = run_plan(worker, on_step)
@@ -98,7 +96,7 @@ def run_with_spawn(spec: RunSpec, progress_factory: ProgressFactory) -> tuple[Ru
     device = resolve_device(spec.device, spec.world_size, gpus, "this machine")
     spec = dataclasses.replace(spec, device=device)
     steps = plan(spec)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store(LOOPBACK, None, spec.timeout_s)
     context = mp.get_context("spawn")
     events = context.Queue()
     processes = [

@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_runtime.launch.network import apply_interface_defaults
+from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
+
 # collective timeout; raise it where first-use JIT (DeepEP) stalls a rank for longer
 GROUP_TIMEOUT_S = float(os.environ.get("EP_TEST_GROUP_TIMEOUT_S", "20"))
 
@@ -71,16 +74,11 @@ def _rank_main(
     outbox,
 ) -> None:
     os.environ.update(env)
+    apply_interface_defaults(LOOPBACK)  # gloo and NCCL on loopback, as the store
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world_size + 1,
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    store = join_store(LOOPBACK, port, world_size + 1, timeout_s)
     dist.init_process_group(
         backend,
         store=store,
@@ -113,9 +111,7 @@ class RankPool:
         self.world_size = world_size
         self.backend = pick_backend(world_size)
         context = mp.get_context("spawn")
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False
-        )
+        self._store = host_store(LOOPBACK, world_size + 1, group_timeout_s)
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world_size)]
         self._processes = [

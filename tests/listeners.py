@@ -1,0 +1,140 @@
+"""Which TCP sockets processes listen on, read from outside them: psutil for processes in this
+network namespace; ``/proc/<pid>/net/tcp*`` for a process in another one (psutil reads this
+namespace's tables only). Also which listeners are Ray's own, by Ray's own log lines."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    address: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address.split("%")[0]).is_loopback
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.address}:{self.port}"
+
+
+def listening(pids: Iterable[int]) -> set[Listener]:
+    """The TCP listeners (IPv4 and IPv6) of ``pids`` right now; a process gone is skipped."""
+    found = set()
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        found |= {
+            Listener(pid, c.laddr.ip, c.laddr.port)
+            for c in connections
+            if c.status == psutil.CONN_LISTEN
+        }
+    return found
+
+
+def sample(
+    pids: Callable[[], Iterable[int]],
+    enough: Callable[[set[Listener]], bool],
+    timeout_s: float,
+    settle_s: float = 1.0,
+) -> set[Listener]:
+    """Poll the listeners of ``pids()`` until ``enough(seen)``, then ``settle_s`` more (late
+    ones); everything seen, or what was seen by ``timeout_s`` if it never was enough."""
+    seen: set[Listener] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen |= listening(pids())
+        if enough(seen):
+            deadline = min(deadline, time.monotonic() + settle_s)
+        time.sleep(0.1)
+    return seen
+
+
+def by_pid(listeners: Iterable[Listener]) -> dict[int, set[Listener]]:
+    grouped: dict[int, set[Listener]] = {}
+    for listener in listeners:
+        grouped.setdefault(listener.pid, set()).add(listener)
+    return grouped
+
+
+# Ray ----------------------------------------------------------------------------------------
+# "[2026-12-01 19:42:04,924 I 9912 9912] (gcs_server) grpc_server.cc:144: GcsServer server
+# started, listening on port 41933."
+_RAY_GRPC_LINE = re.compile(
+    r"^\[\S+ \S+ \w (\d+) \d+\] (?:\(\w+\) )?grpc_server\.cc:\d+: .* listening on port (\d+)",
+    re.MULTILINE,
+)
+
+
+def ray_session_dir(command_lines: Iterable[str]) -> Path | None:
+    """The session directory named on a raylet's command line, if one is among them."""
+    for command in command_lines:
+        match = re.search(r"--session_dir=(\S+)", command)
+        if match and "raylet" in command.split()[0]:
+            return Path(match.group(1))
+    return None
+
+
+def ray_grpc_ports(session_dir: Path) -> set[tuple[int, int]]:
+    """(pid, port) of every gRPC server Ray says it started in this session (GCS, raylet,
+    driver and worker core workers), from its log lines."""
+    found = set()
+    for log in (session_dir / "logs").glob("*"):
+        if log.is_file():
+            text = log.read_text(errors="replace")
+            found |= {(int(pid), int(port)) for pid, port in _RAY_GRPC_LINE.findall(text)}
+    return found
+
+
+# another network namespace --------------------------------------------------------------------
+def _proc_listeners(pid: int) -> set[Listener]:
+    """Listeners of ``pid`` from its own namespace's ``/proc/<pid>/net/tcp{,6}``, matched to
+    its open socket inodes."""
+    inodes = set()
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # gone
+        return set()
+    for fd in descriptors:
+        with contextlib.suppress(OSError):  # closed since it was listed
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: TCP_LISTEN
+                continue
+            hex_address, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_address)
+            if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(Listener(pid, socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def listening_in_namespace(pids: Iterable[int]) -> set[Listener]:
+    """Like ``listening``, for processes in any network namespace (needs their /proc)."""
+    return set().union(*(_proc_listeners(pid) for pid in pids))
