@@ -38,7 +38,7 @@ class RankWorker:
     """One rank: device, process group, and the workload's worker. No CUDA work happens in
     ``__init__``.
 
-    ``node_ip`` (a run across nodes): the address the launcher knows this rank's node by; gloo
+    ``node_ip``: the address the rank's peers reach it by (``LOOPBACK`` within one host); gloo
     and NCCL are bound to the interface holding it unless the environment names one (``network``).
     """
 
