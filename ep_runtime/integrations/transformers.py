@@ -319,8 +319,28 @@ def architecture_of(name: str, block: nn.Module) -> Architecture:
     )
 
 
+ExpertWeights = Callable[
+    [str, torch.Tensor, torch.Tensor, range], tuple[torch.Tensor, torch.Tensor]
+]  # (block name, its gate_up_proj [E, 2I, H], down_proj [E, H, I], local ids) → [L, ...] each
+
+
+def _local_rows(
+    name: str, w13: torch.Tensor, w2: torch.Tensor, local: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the block's own expert tensors (cloned: a slice would keep the
+    whole ``[E, ...]`` storage alive)."""
+    return (
+        w13[local.start : local.stop].detach().clone(),  # [L, 2I, H]
+        w2[local.start : local.stop].detach().clone(),  # [L, H, I]
+    )
+
+
 def patch_moe_blocks(
-    model: nn.Module, group: dist.ProcessGroup | None = None, **layer_options: Any
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    expert_weights: ExpertWeights = _local_rows,
+    **layer_options: Any,
 ) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
     (``None``: the default group if initialised, else a world of 1), keeping only this rank's
@@ -328,7 +348,9 @@ def patch_moe_blocks(
     (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
     the same model (it builds EP layers, which agree on backends collectively). Move and cast
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
-    them where they are."""
+    them where they are. ``expert_weights`` gives each block's local experts (default: the
+    rows of its own tensors; integrations/checkpoint.py reads them from a checkpoint into a
+    model whose expert tensors are on the meta device)."""
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
@@ -354,11 +376,8 @@ def patch_moe_blocks(
         options = {"device": w13.device, **layer_options}
         ep = EPMoE(config, group=group, **options)
         start, num_local = ep.placement.local_expert_offset, ep.placement.num_local_experts
-        with torch.no_grad():  # clone: a slice would keep the whole [E, ...] storage alive
-            ep.load_weights(
-                w13[start : start + num_local].detach().clone(),  # [L, 2I, H]
-                w2[start : start + num_local].detach().clone(),  # [L, H, I]
-            )
+        with torch.no_grad():
+            ep.load_weights(*expert_weights(name, w13, w2, range(start, start + num_local)))
         replacement = EPMoEBlock(
             gate=block.gate,
             ep=ep,
