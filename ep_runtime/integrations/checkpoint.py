@@ -324,27 +324,22 @@ class ShardedModel:
     load: LoadReport
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if is_buffer:
-        owner._buffers[attr] = value
-    else:
-        old = owner._parameters[attr]
-        owner._parameters[attr] = nn.Parameter(value, requires_grad=old.requires_grad)
-
-
 def _read_dense(
     model: nn.Module, plan: LoadPlan, reader: TensorReader, device: torch.device
 ) -> None:
-    """Each dense tensor read once, cast to the model's dtype for it, set under all its names."""
+    """Each dense tensor read once, cast to the model's dtype for it, and set under all its
+    names (one parameter object: tied weights stay tied)."""
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers(remove_duplicate=False))
     for tensor in sorted(plan.dense, key=lambda t: (str(t.info.file), t.info.name)):
-        dtype = targets[tensor.targets[0]].dtype
-        value = reader.read(tensor.info, device, dtype)
+        old = targets[tensor.targets[0]]
+        value = reader.read(tensor.info, device, old.dtype)
+        if not tensor.is_buffer:
+            value = nn.Parameter(value, requires_grad=old.requires_grad)
         for name in tensor.targets:
-            _set_tensor(model, name, value, tensor.is_buffer)
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            (owner._buffers if tensor.is_buffer else owner._parameters)[attr] = value
     for module in model.modules():  # the buffers computed at construction
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
