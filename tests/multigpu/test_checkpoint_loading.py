@@ -50,14 +50,14 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, bool], tuple[torch.nn.Modul
     return made
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("original", [True, False], ids=["per-expert", "fused"])
+# the per-expert format (what the repositories ship) at W = 2 and 3; the fused one's row reads at 2
+@pytest.mark.parametrize(
+    ("original", "world_size"), [(True, 2), (True, 3), (False, 2)], ids=["2", "3", "fused-2"]
+)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_ranks_read_their_part_and_generate_the_unpatched_tokens(
     pool_factory, checkpoints, arch: str, original: bool, world_size: int
 ) -> None:
-    if not original and world_size == 3:
-        pytest.skip("the fused format's row reads are covered at W = 2 (keeps the suite short)")
     reference, path = checkpoints[arch, original]
     eos = model_eos(reference)
     prompts, new_tokens = prompts_for(world_size, reference.config.vocab_size)
