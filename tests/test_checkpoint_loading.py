@@ -7,6 +7,7 @@ tests/multigpu/test_checkpoint_loading.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -232,3 +233,22 @@ def test_the_default_printer_prints_at_most_every_interval(capsys) -> None:
     quiet = ProgressPrinter(interval_s=5.0)  # a short load prints nothing, not even "done"
     quiet(LoadProgress(0, 1, 1, 1, 1, 0.5, done=True))
     assert capsys.readouterr().err == ""
+
+
+# the launcher -------------------------------------------------------------------------------------
+def test_the_launcher_loads_a_checkpoint_directory_sharded(tmp_path: Path, references, capsys):
+    from ep_runtime.launch.cli import EXIT_OK, main
+
+    reference = references["deepseek-v2"]
+    path = write_checkpoint(reference, tmp_path / "ckpt")
+    argv = ["--launcher", "spawn", "--dp", "2", "--device", "cpu", "--hf-model", str(path)]
+    code = main([*argv, "--hf-new-tokens", "3", "--json", str(tmp_path / "report.json")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    total = sum(p.numel() * 4 for p in reference.parameters())
+    experts = sum(p.numel() * 4 for n, p in reference.named_parameters() if ".experts." in n)
+    for rank, row in enumerate(report["per_rank"]):
+        assert row["bytes_read"] == total - experts // 2, f"rank {rank}"  # dense + half the experts
+        assert row["load_s"] > 0 and f"rank {rank}/2: read " in row["load"]
+        assert " ".join(row["load"].split()) in " ".join(out.split())  # printed (wrapped)

@@ -293,7 +293,7 @@ class LoadReport:
     world_size: int
     local_experts: tuple[int, int]  # [start, stop) of num_experts
     num_experts: int
-    check_s: float  # the checkpoint's metadata read and checked against the model
+    prepare_s: float  # config, the empty model, the checkpoint's metadata read and checked
     read_s: float  # reading the tensors (opening shards, reading, casting, copying)
     total_s: float  # all of load_sharded, building the EP layers (collective) included
     bytes_read: int
@@ -310,8 +310,9 @@ class LoadReport:
             f"{self.checkpoint_bytes / 1e6:,.1f} MB ({share:.0%}; dense "
             f"{self.dense_bytes / 1e6:,.1f} MB, experts [{self.local_experts[0]}, "
             f"{self.local_experts[1]}) of {self.num_experts}: {self.expert_bytes / 1e6:,.1f} MB) "
-            f"in {len(self.reads)} reads, {self.read_s:.2f} s (checks {self.check_s:.2f} s, in all "
-            f"{self.total_s:.2f} s); {len(self.ignored)} checkpoint tensors unused"
+            f"in {len(self.reads)} reads, {self.read_s:.2f} s (before it "
+            f"{self.prepare_s:.2f} s, in all {self.total_s:.2f} s); {len(self.ignored)} "
+            "checkpoint tensors unused"
         )
 
 
@@ -403,7 +404,7 @@ def load_sharded(
     index = CheckpointIndex.open(path)
     model = build_empty_model(config, dtype)
     plan = plan_load(model, index, comm.rank, comm.world_size)
-    check_s = time.perf_counter() - started
+    prepare_s = time.perf_counter() - started
     expert_infos = [t for block in plan.experts.values() for t in block.tensors()]
     dense_bytes = sum(t.info.nbytes for t in plan.dense)
     expert_bytes = sum(_bytes_for_rank(t, plan) for t in expert_infos)
@@ -431,7 +432,7 @@ def load_sharded(
         world_size=comm.world_size,
         local_experts=(plan.local.start, plan.local.stop),
         num_experts=plan.placement.num_experts,
-        check_s=check_s,
+        prepare_s=prepare_s,
         read_s=reader.read_s,
         total_s=time.perf_counter() - started,
         bytes_read=reader.bytes_read,

@@ -200,8 +200,6 @@ class HFRankWorker:
         from ep_runtime.integrations.transformers import load_model, patch_moe_blocks
 
         spec, run = self.spec, self.run
-        model = load_model(run.model, seed=spec.seed, dtype=self.dtype, device=str(self.device))
-        self.params_before = sum(p.numel() for p in model.parameters())
         options: dict[str, Any] = {
             "dispatcher": spec.dispatcher,
             "experts": spec.experts,
@@ -211,10 +209,19 @@ class HFRankWorker:
         }
         if spec.mode == "capacity":  # static buffers: the longest prompt must fit
             options["max_tokens_per_rank"] = max(1, *run.prompt_lengths)
-        self.report = patch_moe_blocks(model, **options)
+        self.load = None
+        if os.path.isdir(run.model):  # a checkpoint: this rank reads only its part of it
+            from ep_runtime.integrations.checkpoint import load_sharded
+
+            loaded = load_sharded(run.model, dtype=self.dtype, **options)
+            model, self.report, self.load = loaded.model, loaded.patch, loaded.load
+        else:
+            model = load_model(run.model, seed=spec.seed, dtype=self.dtype, device=str(self.device))
+            self.report = patch_moe_blocks(model, **options)
         gc.collect()
         self.model = model
         self.params_after = sum(p.numel() for p in model.parameters())
+        self.params_before = self.params_after + self.report.expert_params_freed
         self.prompt = run.prompt(self.rank, spec.seed, model.config.vocab_size)
         return {"patched": self.report.describe()}
 
@@ -272,6 +279,9 @@ class HFRankWorker:
             "params_before_patch": self.params_before,
             "params_after_patch": self.params_after,
             "peak_memory_bytes": peak_memory_bytes(self.device),
+            "load": None if self.load is None else self.load.describe(),
+            "load_s": None if self.load is None else self.load.total_s,
+            "bytes_read": None if self.load is None else self.load.bytes_read,
         }
 
     def close(self) -> None:
@@ -429,6 +439,9 @@ def print_hf_report(report: dict, console: Console) -> None:
             status,
         )
     console.print(table)
+    for r in report["per_rank"]:
+        if r.get("load"):  # --hf-model DIR: what each rank read of the checkpoint
+            console.print(f"[dim]{r['load']}[/]", highlight=False)
     console.print(
         f"params = routed-expert parameters the rank keeps, of "
         f"{_count(report['per_rank'][0]['expert_params_freed'])} in the model; "
