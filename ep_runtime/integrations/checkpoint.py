@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ep_runtime.comm import Comm
@@ -138,7 +139,7 @@ def plan_load(model: nn.Module, index: CheckpointIndex, rank: int, world_size: i
     used: set[str] = set()
     dense = []
     for targets, tensor, is_buffer in _model_tensors(model, expert_params):
-        info = _find(index, targets, renames, tuple(tensor.shape), "a tensor of shape")
+        info = _find(index, targets, renames, tuple(tensor.shape))
         _refuse_fp8(info)
         dense.append(DenseTensor(info, targets, is_buffer))
         used.add(info.name)
@@ -179,12 +180,13 @@ def _find(
     targets: tuple[str, ...],
     renames: tuple[tuple[str, str], ...],
     shape: tuple[int, ...],
-    what: str,
 ) -> TensorInfo:
-    """The checkpoint tensor for a model tensor (any of its names, either spelling), checked."""
+    """The checkpoint tensor for a model tensor (any of its names, either spelling), checked;
+    where none is there, the error names the first name as the original checkpoints spell it."""
     candidates = [c for target in targets for c in checkpoint_names(target, renames)]
-    found = next((c for c in candidates if index.get(c) is not None), candidates[-1])
-    return index.require(found, shape, what)
+    original = checkpoint_names(targets[0], renames)[-1]
+    found = next((c for c in candidates if index.get(c) is not None), original)
+    return index.require(found, shape, "a tensor")
 
 
 def _refuse_fp8(info: TensorInfo) -> None:
@@ -233,8 +235,9 @@ def _block_experts(
     num_experts, inter, hidden = _shapes(block)
     prefix, fused = _expert_prefix(index, block_name, names, renames)
     if fused:
-        gate_up = index.require(prefix + FUSED_GATE_UP, (num_experts, 2 * inter, hidden), "shape")
-        down = index.require(prefix + FUSED_DOWN, (num_experts, hidden, inter), "shape")
+        fused_shapes = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+        gate_up = index.require(prefix + FUSED_GATE_UP, fused_shapes[0], "the fused experts")
+        down = index.require(prefix + FUSED_DOWN, fused_shapes[1], "the fused experts")
         for info in (gate_up, down):
             _refuse_fp8(info)
         return BlockExperts(block_name, (), (gate_up, down)), {gate_up.name, down.name}
@@ -244,7 +247,7 @@ def _block_experts(
     mine, checked = [], set()
     for expert in range(num_experts):
         triple = tuple(
-            index.require(name, shape, f"expert {expert} of {num_experts}, shape")
+            index.require(name, shape, f"expert {expert} of {num_experts}")
             for name, shape in zip(_per_expert_names(prefix, names, expert), shapes, strict=True)
         )
         for info in triple:
@@ -259,7 +262,10 @@ def _block_experts(
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Every parameter registered inside goes to the meta device (shape and dtype, no storage);
-    buffers stay real, so what a module computes at construction (rotary tables) is kept."""
+    buffers stay real, so what a module computes at construction (rotary tables) is kept. A
+    parameter exists on the CPU only until it is registered (the supported models create their
+    large ones with ``torch.empty``: no page is touched). Patches ``nn.Module`` for the duration:
+    build nothing else in another thread meanwhile."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -378,7 +384,7 @@ class _ExpertLoader:
 
 def load_sharded(
     path: str | Path,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,

@@ -127,11 +127,14 @@ class CheckpointIndex:
         return self.tensors.get(name)
 
     def require(self, name: str, shape: tuple[int, ...], what: str) -> TensorInfo:
-        """The tensor ``name`` with ``shape``, or the error naming the tensor and its file."""
+        """The tensor ``name`` with ``shape``, or the error naming the tensor and its file
+        (``what``: the tensor's role in words, e.g. "expert 3 of 64")."""
         info = self.tensors.get(name)
         if info is None:
             raise EPInputError(
-                f"checkpoint tensor {name}", f"{what} {list(shape)} in {self.source}", "missing"
+                f"checkpoint tensor {name}",
+                f"{what} of shape {list(shape)} in {self.source}",
+                "missing",
             )
         if info.shape != tuple(shape):
             raise EPInputError(
