@@ -101,12 +101,60 @@ def test_each_rank_plans_exactly_the_dense_part_and_its_experts(
     for rank in range(world_size):
         plan = plan_load(model, index, rank, world_size)
         local = range(rank * shard, (rank + 1) * shard)
-        assert plan.local == local
+        assert plan.local == tuple(local)
         planned = {d.info.name: None for d in plan.dense}
         for block in plan.experts.values():
-            planned.update({t.name: None for triple in block.per_expert for t in triple})
+            planned.update({t.name: None for triple in block.per_expert.values() for t in triple})
             planned.update({t.name: (local.start, local.stop) for t in block.fused or ()})
         assert planned == expected_reads(path, local)
+
+
+@pytest.mark.parametrize("original", [True, False], ids=["per-expert", "fused"])
+def test_replicated_experts_are_read_once_and_copied_into_each_slot(
+    tmp_path: Path, references, original: bool
+) -> None:
+    """The expert source for a placement with redundant slots (experts 5, 1, 2, 5 on one
+    rank): each distinct expert read once (fused: one read per run of consecutive experts)."""
+    import dataclasses
+
+    from ep_runtime.integrations.checkpoint import (
+        TensorReader,
+        _ExpertLoader,
+        build_empty_model,
+        plan_load,
+    )
+    from ep_runtime.integrations.safetensors_index import CheckpointIndex
+
+    reference = references["qwen3-moe"]
+    path = write_checkpoint(reference, tmp_path, original=original)
+    index = CheckpointIndex.open(path)
+    model = build_empty_model(reference.config, torch.float32)
+    slots = (5, 1, 2, 5)
+    plan = plan_load(model, index, 0, 1)
+    block = "model.layers.0.mlp"
+    if not original:
+        plan = dataclasses.replace(plan, local=slots)
+    else:  # the rank's experts as plan_load would list them for such a placement
+        mine = {e: plan.experts[block].per_expert[e] for e in sorted(set(slots))}
+        experts = {block: dataclasses.replace(plan.experts[block], per_expert=mine)}
+        plan = dataclasses.replace(plan, local=slots, experts=experts)
+    reader = TensorReader(index, 0, 1, 1, progress=lambda _: None)
+    hf = reference.get_submodule(block).experts
+    meta = model.get_submodule(block).experts
+    w13, w2 = _ExpertLoader(plan, reader, torch.device("cpu"))(
+        block, meta.gate_up_proj, meta.down_proj, slots
+    )
+    assert torch.equal(w13, hf.gate_up_proj[list(slots)])
+    assert torch.equal(w2, hf.down_proj[list(slots)])
+    reads = sorted((r.name, r.rows) for r in reader.reads)
+    prefix = f"{block}.experts."
+    if original:
+        projections = ("gate_proj", "up_proj", "down_proj")
+        expected = [(f"{prefix}{e}.{p}.weight", None) for e in (1, 2, 5) for p in projections]
+    else:
+        runs = ((1, 3), (5, 6))
+        expected = [(prefix + p, rows) for p in ("gate_up_proj", "down_proj") for rows in runs]
+    assert reads == sorted(expected)
 
 
 def test_a_single_file_loads_with_its_config_beside_it_or_given(tmp_path: Path, references):

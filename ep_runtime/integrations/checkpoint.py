@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,28 +102,24 @@ class DenseTensor:
 
 @dataclass(frozen=True)
 class BlockExperts:
-    """This rank's experts of one MoE block in the checkpoint: per expert ``(gate, up, down)``,
-    or the fused ``gate_up_proj`` / ``down_proj`` whose rows ``local`` this rank reads."""
+    """This rank's experts of one MoE block in the checkpoint: per distinct local expert
+    ``(gate, up, down)``, or the fused ``gate_up_proj`` / ``down_proj`` whose rows it reads."""
 
     block: str
-    per_expert: tuple[tuple[TensorInfo, TensorInfo, TensorInfo], ...]  # empty when fused
+    per_expert: dict[int, tuple[TensorInfo, TensorInfo, TensorInfo]]  # by expert; empty if fused
     fused: tuple[TensorInfo, TensorInfo] | None
 
     def tensors(self) -> list[TensorInfo]:
-        return [t for triple in self.per_expert for t in triple] + list(self.fused or ())
+        return [t for triple in self.per_expert.values() for t in triple] + list(self.fused or ())
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     dense: tuple[DenseTensor, ...]
     experts: dict[str, BlockExperts]  # by block name
-    placement: ExpertPlacement
+    num_experts: int
+    local: tuple[int, ...]  # the expert of each of this rank's slots, in slot order
     ignored: tuple[str, ...]  # checkpoint tensors the model has no place for (e.g. MTP layers)
-
-    @property
-    def local(self) -> range:
-        start = self.placement.local_expert_offset
-        return range(start, start + self.placement.num_local_experts)
 
 
 def plan_load(model: nn.Module, index: CheckpointIndex, rank: int, world_size: int) -> LoadPlan:
@@ -146,13 +142,15 @@ def plan_load(model: nn.Module, index: CheckpointIndex, rank: int, world_size: i
     num_experts = {int(block.experts.gate_up_proj.shape[0]) for _, block in blocks}
     if len(num_experts) != 1:
         raise EPInputError("model", "the same number of experts in every MoE block", num_experts)
-    placement = ExpertPlacement(num_experts.pop(), rank, world_size)
+    placement = ExpertPlacement(num_experts.pop(), rank, world_size)  # checks E % W
+    start = placement.local_expert_offset
+    local = tuple(range(start, start + placement.num_local_experts))
     experts = {}
     for name, block in blocks:
-        experts[name], checked = _block_experts(index, name, block, names[name], renames, placement)
+        experts[name], checked = _block_experts(index, name, block, names[name], renames, local)
         used.update(checked)
     ignored = tuple(sorted(set(index.tensors) - used))
-    return LoadPlan(tuple(dense), experts, placement, ignored)
+    return LoadPlan(tuple(dense), experts, placement.num_experts, local, ignored)
 
 
 def _model_tensors(
@@ -229,7 +227,7 @@ def _block_experts(
     block: nn.Module,
     names: CheckpointNames,
     renames: tuple[tuple[str, str], ...],
-    placement: ExpertPlacement,
+    local: tuple[int, ...],
 ) -> tuple[BlockExperts, set[str]]:
     """This rank's experts of the block, and the names of all its experts (every one checked)."""
     num_experts, inter, hidden = _shapes(block)
@@ -240,11 +238,9 @@ def _block_experts(
         down = index.require(prefix + FUSED_DOWN, fused_shapes[1], "the fused experts")
         for info in (gate_up, down):
             _refuse_fp8(info)
-        return BlockExperts(block_name, (), (gate_up, down)), {gate_up.name, down.name}
+        return BlockExperts(block_name, {}, (gate_up, down)), {gate_up.name, down.name}
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-    start = placement.local_expert_offset
-    local = range(start, start + placement.num_local_experts)
-    mine, checked = [], set()
+    mine, checked = {}, set()
     for expert in range(num_experts):
         triple = tuple(
             index.require(name, shape, f"expert {expert} of {num_experts}")
@@ -254,8 +250,8 @@ def _block_experts(
             _refuse_fp8(info)
             checked.add(info.name)
         if expert in local:
-            mine.append(triple)
-    return BlockExperts(block_name, tuple(mine), None), checked
+            mine[expert] = triple
+    return BlockExperts(block_name, mine, None), checked
 
 
 # the model without its weights --------------------------------------------------------------------
@@ -297,7 +293,7 @@ class LoadReport:
     path: str
     rank: int
     world_size: int
-    local_experts: tuple[int, int]  # [start, stop) of num_experts
+    local_experts: tuple[int, ...]  # the expert of each of this rank's slots
     num_experts: int
     prepare_s: float  # config, the empty model, the checkpoint's metadata read and checked
     read_s: float  # reading the tensors (opening shards, reading, casting, copying)
@@ -314,8 +310,8 @@ class LoadReport:
         return (
             f"rank {self.rank}/{self.world_size}: read {self.bytes_read / 1e6:,.1f} MB of "
             f"{self.checkpoint_bytes / 1e6:,.1f} MB ({share:.0%}; dense "
-            f"{self.dense_bytes / 1e6:,.1f} MB, experts [{self.local_experts[0]}, "
-            f"{self.local_experts[1]}) of {self.num_experts}: {self.expert_bytes / 1e6:,.1f} MB) "
+            f"{self.dense_bytes / 1e6:,.1f} MB, experts {_ids(self.local_experts)} of "
+            f"{self.num_experts}: {self.expert_bytes / 1e6:,.1f} MB) "
             f"in {len(self.reads)} reads, {self.read_s:.2f} s (before it "
             f"{self.prepare_s:.2f} s, in all {self.total_s:.2f} s); {len(self.ignored)} "
             "checkpoint tensors unused"
@@ -354,32 +350,41 @@ def _read_dense(
 
 
 class _ExpertLoader:
-    """``patch_moe_blocks``' source of each block's local experts: reads them from the
-    checkpoint straight into ``w13 [L, 2I, H]`` (rows ``[gate; up]``) and ``w2 [L, H, I]``."""
+    """``patch_moe_blocks``' source of each block's local experts: reads each distinct one once
+    from the checkpoint into ``w13 [S, 2I, H]`` (rows ``[gate; up]``) and ``w2 [S, H, I]``, one
+    row per slot (a replicated expert is copied into each of its slots)."""
 
     def __init__(self, plan: LoadPlan, reader: TensorReader, device: torch.device) -> None:
         self.plan, self.reader, self.device = plan, reader, device
 
     def __call__(
-        self, name: str, w13: torch.Tensor, w2: torch.Tensor, local: range
+        self, name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if local != self.plan.local:  # the EP layer's placement is the one the plan checked
+        if tuple(local) != self.plan.local:  # the EP layer's placement is the plan's
             raise RuntimeError(f"{name}: EP layer serves experts {local}, plan {self.plan.local}")
+        distinct = sorted(set(local))
+        row = {expert: i for i, expert in enumerate(distinct)}
+        out13 = torch.empty((len(distinct), *w13.shape[1:]), dtype=w13.dtype, device=self.device)
+        out2 = torch.empty((len(distinct), *w2.shape[1:]), dtype=w2.dtype, device=self.device)
         experts = self.plan.experts[name]
-        inter = w2.size(2)
-        out13 = torch.empty((len(local), *w13.shape[1:]), dtype=w13.dtype, device=self.device)
-        out2 = torch.empty((len(local), *w2.shape[1:]), dtype=w2.dtype, device=self.device)
         if experts.fused is not None:
             gate_up, down = experts.fused
-            self.reader.read_into(gate_up, out13, local)
-            self.reader.read_into(down, out2, local)
+            for run in _runs(distinct):  # one read per run of consecutive experts
+                rows = slice(row[run.start], row[run.start] + len(run))
+                self.reader.read_into(gate_up, out13[rows], run)
+                self.reader.read_into(down, out2[rows], run)
+        else:
+            inter = w2.size(2)
+            targets = []  # (checkpoint tensor, where it goes)
+            for expert, (gate, up, down) in experts.per_expert.items():
+                i = row[expert]
+                targets += [(gate, out13[i, :inter]), (up, out13[i, inter:]), (down, out2[i])]
+            for info, target in sorted(targets, key=lambda t: (str(t[0].file), t[0].name)):
+                self.reader.read_into(info, target)
+        if len(distinct) == len(local):
             return out13, out2
-        targets = []  # (checkpoint tensor, where it goes)
-        for j, (gate, up, down) in enumerate(experts.per_expert):
-            targets += [(gate, out13[j, :inter]), (up, out13[j, inter:]), (down, out2[j])]
-        for info, target in sorted(targets, key=lambda t: (str(t[0].file), t[0].name)):
-            self.reader.read_into(info, target)
-        return out13, out2
+        slots = torch.tensor([row[expert] for expert in local], device=self.device)
+        return out13[slots], out2[slots]  # [S, ...]: indexing copies
 
 
 def load_sharded(
@@ -436,8 +441,8 @@ def load_sharded(
         path=str(path),
         rank=comm.rank,
         world_size=comm.world_size,
-        local_experts=(plan.local.start, plan.local.stop),
-        num_experts=plan.placement.num_experts,
+        local_experts=plan.local,
+        num_experts=plan.num_experts,
         prepare_s=prepare_s,
         read_s=reader.read_s,
         total_s=time.perf_counter() - started,
@@ -456,4 +461,22 @@ def _bytes_for_rank(info: TensorInfo, plan: LoadPlan) -> int:
     fused = any(block.fused is not None and info in block.fused for block in plan.experts.values())
     if not fused:
         return info.nbytes
-    return info.nbytes // info.shape[0] * len(plan.local)
+    return info.nbytes // info.shape[0] * len(set(plan.local))
+
+
+def _ids(experts: tuple[int, ...]) -> str:
+    """(4, 5, 6, 7) → '[4, 8)'; anything else as the list."""
+    if experts == tuple(range(experts[0], experts[0] + len(experts))):
+        return f"[{experts[0]}, {experts[-1] + 1})"
+    return str(list(experts))
+
+
+def _runs(experts: list[int]) -> list[range]:
+    """Sorted distinct ids as maximal runs of consecutive ids: [0, 1, 2, 5] → [0:3, 5:6]."""
+    runs: list[range] = []
+    for expert in experts:
+        if runs and runs[-1].stop == expert:
+            runs[-1] = range(runs[-1].start, expert + 1)
+        else:
+            runs.append(range(expert, expert + 1))
+    return runs

@@ -320,19 +320,17 @@ def architecture_of(name: str, block: nn.Module) -> Architecture:
 
 
 ExpertWeights = Callable[
-    [str, torch.Tensor, torch.Tensor, range], tuple[torch.Tensor, torch.Tensor]
-]  # (block name, its gate_up_proj [E, 2I, H], down_proj [E, H, I], local ids) → [L, ...] each
+    [str, torch.Tensor, torch.Tensor, Sequence[int]], tuple[torch.Tensor, torch.Tensor]
+]  # (block name, its gate_up_proj [E, 2I, H], down_proj [E, H, I], expert of each local slot)
+#    → [S, 2I, H], [S, H, I]
 
 
 def _local_rows(
-    name: str, w13: torch.Tensor, w2: torch.Tensor, local: range
+    name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the block's own expert tensors (cloned: a slice would keep the
-    whole ``[E, ...]`` storage alive)."""
-    return (
-        w13[local.start : local.stop].detach().clone(),  # [L, 2I, H]
-        w2[local.start : local.stop].detach().clone(),  # [L, H, I]
-    )
+    """This rank's rows of the block's own expert tensors (indexing copies: a slice would keep
+    the whole ``[E, ...]`` storage alive)."""
+    return w13[list(local)].detach(), w2[list(local)].detach()
 
 
 def patch_moe_blocks(
