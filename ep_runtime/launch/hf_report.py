@@ -168,6 +168,9 @@ def print_hf_report(report: dict, console: Console) -> None:
             status,
         )
     console.print(table)
+    for r in report["per_rank"]:
+        if r.get("load"):  # --hf-model DIR: what each rank read of the checkpoint
+            console.print(f"[dim]{r['load']}[/]", highlight=False)
     console.print(
         f"params = routed-expert parameters the rank keeps, of "
         f"{_count(report['per_rank'][0]['expert_params_freed'])} in the model; "

@@ -209,8 +209,6 @@ class HFRankWorker:
         from ep_runtime.integrations.transformers import load_model, patch_moe_blocks
 
         run = self.run
-        model = load_model(run.hf_model, seed=run.seed, dtype=self.dtype, device=str(self.device))
-        self.params_before = sum(p.numel() for p in model.parameters())
         options: dict[str, Any] = {
             "dispatcher": run.dispatcher,
             "experts": run.experts,
@@ -220,10 +218,21 @@ class HFRankWorker:
         }
         if run.mode == "capacity":  # static buffers: the longest prompt must fit
             options["max_tokens_per_rank"] = max(1, *run.prompt_lengths)
-        self.report = patch_moe_blocks(model, **options)
+        self.load = None
+        if os.path.isdir(run.hf_model):  # a checkpoint: this rank reads only its part of it
+            from ep_runtime.integrations.checkpoint import load_sharded
+
+            loaded = load_sharded(run.hf_model, dtype=self.dtype, **options)
+            model, self.report, self.load = loaded.model, loaded.patch, loaded.load
+        else:
+            model = load_model(
+                run.hf_model, seed=run.seed, dtype=self.dtype, device=str(self.device)
+            )
+            self.report = patch_moe_blocks(model, **options)
         gc.collect()
         self.model = model
         self.params_after = sum(p.numel() for p in model.parameters())
+        self.params_before = self.params_after + self.report.expert_params_freed
         self.prompt = run.prompt(self.rank, model.config.vocab_size)
         return {"patched": self.report.describe()}
 
@@ -279,6 +288,9 @@ class HFRankWorker:
             "params_before_patch": self.params_before,
             "params_after_patch": self.params_after,
             "peak_memory_bytes": peak_memory_bytes(self.device),
+            "load": None if self.load is None else self.load.describe(),
+            "load_s": None if self.load is None else self.load.total_s,
+            "bytes_read": None if self.load is None else self.load.bytes_read,
         }
 
     def close(self) -> None:

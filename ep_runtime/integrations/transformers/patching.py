@@ -4,6 +4,7 @@ the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard.""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,8 +170,26 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+ExpertWeights = Callable[
+    [str, torch.Tensor, torch.Tensor, Sequence[int]], tuple[torch.Tensor, torch.Tensor]
+]  # (block name, its gate_up_proj [E, 2I, H], down_proj [E, H, I], expert of each local slot)
+#    → [S, 2I, H], [S, H, I]
+
+
+def _local_rows(
+    name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the block's own expert tensors (indexing copies: a slice would keep
+    the whole ``[E, ...]`` storage alive)."""
+    return w13[list(local)].detach(), w2[list(local)].detach()
+
+
 def patch_moe_blocks(
-    model: nn.Module, group: dist.ProcessGroup | None = None, **layer_options: Any
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    expert_weights: ExpertWeights = _local_rows,
+    **layer_options: Any,
 ) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
     (``None``: the default group if initialised, else a world of 1), keeping only this rank's
@@ -178,7 +197,9 @@ def patch_moe_blocks(
     (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
     the same model (it builds EP layers, which agree on backends collectively). Move and cast
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
-    them where they are."""
+    them where they are. ``expert_weights`` gives each block's local experts (default: the
+    rows of its own tensors; integrations/checkpoint.py reads them from a checkpoint into a
+    model whose expert tensors are on the meta device)."""
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
@@ -205,8 +226,8 @@ def patch_moe_blocks(
         ep = EPMoE(config, group=group, **options)
         local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
         num_local = len(local)
-        with torch.no_grad():  # indexing copies: a slice would keep all [E, ...] storage alive
-            ep.load_weights(w13[local].detach(), w2[local].detach())  # [S, 2I, H], [S, H, I]
+        with torch.no_grad():
+            ep.load_weights(*expert_weights(name, w13, w2, local))  # [S, 2I, H], [S, H, I]
         replacement = EPMoEBlock(
             gate=block.gate,
             ep=ep,

@@ -1,0 +1,495 @@
+"""Shard-aware loading of a Hugging Face MoE checkpoint: each rank reads only what it serves.
+
+On every rank (the default process group, or ``group``)::
+
+    loaded = load_sharded("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)   # EPMoE options as keywords
+    result = greedy_generate(loaded.model, loaded.patch, prompt_ids, max_new_tokens=32)
+    print(loaded.load.describe())                        # what this rank read, and how long it took
+
+``load_sharded`` builds the model from its config with every parameter on the meta device (buffers
+such as rotary tables are computed as usual), reads the checkpoint's metadata (the index and each
+shard's header: names, shapes, dtypes), checks every tensor the model needs (the dense part and
+every expert of every MoE block) against the model, then reads the dense tensors and this rank's
+experts only, one tensor name at a time (``safe_open(...).get_tensor`` / ``get_slice``), fuses
+each block's gate and up projections into ``w13 [L, 2I, H]`` once, and replaces the MoE blocks by
+``EPMoEBlock``\\ s holding only those experts. Per-rank memory is the dense part plus E/W experts.
+
+Every rank checks the whole checkpoint's metadata (cheap: no tensor data), so a checkpoint that
+does not match the model (a missing tensor, a wrong shape) raises the same ``EPInputError``,
+naming the tensor and the file, on every rank before any rank communicates.
+
+Expert tensor names: the per-expert format the models' own repositories ship and transformers
+5.x ``save_pretrained`` writes (``…mlp.experts.{e}.gate_proj.weight``; Mixtral
+``…block_sparse_moe.experts.{e}.w1.weight``), or transformers' fused in-memory layout
+(``…mlp.experts.gate_up_proj [E, 2I, H]``, ``save_pretrained(save_original_format=False)``).
+fp8 checkpoints (DeepSeek-V3's ``weight`` + ``weight_scale_inv``) are refused with that reason:
+there is no fp8 weight path yet, and casting fp8 without its scales would be wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ep_runtime.comm import Comm
+from ep_runtime.eplb import PlacementMap
+from ep_runtime.integrations.safetensors_index import (
+    CheckpointIndex,
+    ProgressCallback,
+    ProgressPrinter,
+    TensorInfo,
+    TensorRead,
+    TensorReader,
+)
+from ep_runtime.integrations.transformers import (
+    PatchReport,
+    architecture_of,
+    find_moe_blocks,
+    patch_moe_blocks,
+    require_transformers,
+)
+from ep_runtime.types import EPInputError
+
+
+# tensor names per architecture (keyed like ARCHITECTURES) ----------------------------------------
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How one architecture's checkpoints name a MoE block's expert tensors, per expert:
+    ``{block}.experts.{e}.{gate|up|down}.weight`` (``[I, H]``, ``[I, H]``, ``[H, I]``), and
+    which parts of the model's names the original checkpoints spell differently."""
+
+    gate: str
+    up: str
+    down: str
+    renames: tuple[tuple[str, str], ...] = ()  # (in the model's names, in the checkpoint's)
+
+
+CHECKPOINT_NAMES: dict[str, CheckpointNames] = {
+    "qwen3-moe": CheckpointNames("gate_proj", "up_proj", "down_proj"),
+    "mixtral": CheckpointNames("w1", "w3", "w2", renames=((".mlp.", ".block_sparse_moe."),)),
+    "deepseek-v3": CheckpointNames("gate_proj", "up_proj", "down_proj"),
+    "deepseek-v2": CheckpointNames("gate_proj", "up_proj", "down_proj"),
+}
+FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"  # transformers' in-memory layout
+
+
+def checkpoint_names(model_name: str, renames: tuple[tuple[str, str], ...]) -> list[str]:
+    """The names a model tensor may have in a checkpoint: its own, then the original spelling."""
+    names = [model_name]
+    for ours, theirs in renames:
+        if ours in model_name and model_name.replace(ours, theirs) not in names:
+            names.append(model_name.replace(ours, theirs))
+    return names
+
+
+# the plan: what this rank reads, checked against the model ----------------------------------------
+@dataclass(frozen=True)
+class DenseTensor:
+    """A checkpoint tensor that fills one model parameter or buffer (under all its tied names)."""
+
+    info: TensorInfo
+    targets: tuple[str, ...]  # model names of the same tensor (tied weights share one)
+    is_buffer: bool
+
+
+@dataclass(frozen=True)
+class BlockExperts:
+    """This rank's experts of one MoE block in the checkpoint: per distinct local expert
+    ``(gate, up, down)``, or the fused ``gate_up_proj`` / ``down_proj`` whose rows it reads."""
+
+    block: str
+    per_expert: dict[int, tuple[TensorInfo, TensorInfo, TensorInfo]]  # by expert; empty if fused
+    fused: tuple[TensorInfo, TensorInfo] | None
+
+    def tensors(self) -> list[TensorInfo]:
+        return [t for triple in self.per_expert.values() for t in triple] + list(self.fused or ())
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    dense: tuple[DenseTensor, ...]
+    experts: dict[str, BlockExperts]  # by block name
+    num_experts: int
+    local: tuple[int, ...]  # the expert of each of this rank's slots, in slot order
+    ignored: tuple[str, ...]  # checkpoint tensors the model has no place for (e.g. MTP layers)
+
+
+def plan_load(
+    model: nn.Module,
+    index: CheckpointIndex,
+    rank: int,
+    world_size: int,
+    num_redundant_experts: int = 0,
+) -> LoadPlan:
+    """Check every tensor ``model`` needs against ``index`` (names, shapes, dtypes: metadata
+    only) and list what rank ``rank`` of ``world_size`` reads: the experts of its slots in the
+    initial placement (``PlacementMap.initial``, the one ``EPMoE`` starts from). Raises
+    ``EPInputError`` naming the first tensor (and its file) that does not fit; the same on every
+    rank."""
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise EPInputError("model", "a model with sparse-MoE blocks", type(model).__name__)
+    names = {name: CHECKPOINT_NAMES[architecture_of(name, block).name] for name, block in blocks}
+    renames = tuple(dict.fromkeys(r for n in names.values() for r in n.renames))
+    expert_params = {f"{name}.experts.{p}" for name in names for p in (FUSED_GATE_UP, FUSED_DOWN)}
+    used: set[str] = set()
+    dense = []
+    for targets, tensor, is_buffer in _model_tensors(model, expert_params):
+        info = _find(index, targets, renames, tuple(tensor.shape))
+        _refuse_fp8(info)
+        dense.append(DenseTensor(info, targets, is_buffer))
+        used.add(info.name)
+    num_experts = {int(block.experts.gate_up_proj.shape[0]) for _, block in blocks}
+    if len(num_experts) != 1:
+        raise EPInputError("model", "the same number of experts in every MoE block", num_experts)
+    placement = PlacementMap.initial(num_experts.pop(), num_redundant_experts, world_size)
+    local = placement.experts_on_rank(rank)
+    experts = {}
+    for name, block in blocks:
+        experts[name], checked = _block_experts(index, name, block, names[name], renames, local)
+        used.update(checked)
+    ignored = tuple(sorted(set(index.tensors) - used))
+    return LoadPlan(tuple(dense), experts, placement.num_logical, local, ignored)
+
+
+def _model_tensors(
+    model: nn.Module, skip: set[str]
+) -> Iterator[tuple[tuple[str, ...], torch.Tensor, bool]]:
+    """(all names of one tensor, the tensor, whether a buffer) for every parameter and persistent
+    buffer of ``model`` outside ``skip``; tied parameters come once, under every name."""
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+    persistent = set(model.state_dict(keep_vars=True))
+    named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
+    named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_buffer in named:
+        if name in skip or (is_buffer and name not in persistent):
+            continue
+        aliases.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = (tensor, is_buffer)
+    for key, names in aliases.items():
+        tensor, is_buffer = tensors[key]
+        yield tuple(names), tensor, is_buffer
+
+
+def _find(
+    index: CheckpointIndex,
+    targets: tuple[str, ...],
+    renames: tuple[tuple[str, str], ...],
+    shape: tuple[int, ...],
+) -> TensorInfo:
+    """The checkpoint tensor for a model tensor (any of its names, either spelling), checked;
+    where none is there, the error names the first name as the original checkpoints spell it."""
+    candidates = [c for target in targets for c in checkpoint_names(target, renames)]
+    original = checkpoint_names(targets[0], renames)[-1]
+    found = next((c for c in candidates if index.get(c) is not None), original)
+    return index.require(found, shape, "a tensor")
+
+
+def _refuse_fp8(info: TensorInfo) -> None:
+    if info.is_fp8:
+        raise EPInputError(
+            f"checkpoint tensor {info.name} in {info.file}",
+            "bf16, fp16 or fp32 weights (no fp8 weight path yet: its weight_scale_inv would be "
+            "needed to read it; dequantize the checkpoint to bf16 first)",
+            info.dtype,
+        )
+
+
+def _shapes(block: nn.Module) -> tuple[int, int, int]:
+    num_experts, two_i, hidden = block.experts.gate_up_proj.shape  # meta: shapes only
+    return int(num_experts), int(two_i) // 2, int(hidden)
+
+
+def _expert_prefix(
+    index: CheckpointIndex, block: str, names: CheckpointNames, renames: tuple[tuple[str, str], ...]
+) -> tuple[str, bool]:
+    """The checkpoint's name prefix of the block's experts (``….experts.``) and whether they are
+    stored fused; the original spelling where neither form is found (for the error)."""
+    prefixes = checkpoint_names(f"{block}.experts.", renames)
+    for prefix in prefixes:
+        if index.get(prefix + FUSED_GATE_UP) is not None:
+            return prefix, True
+    for prefix in prefixes:
+        if index.get(f"{prefix}0.{names.gate}.weight") is not None:
+            return prefix, False
+    return prefixes[-1], False
+
+
+def _per_expert_names(prefix: str, names: CheckpointNames, expert: int) -> tuple[str, str, str]:
+    return tuple(f"{prefix}{expert}.{proj}.weight" for proj in (names.gate, names.up, names.down))
+
+
+def _block_experts(
+    index: CheckpointIndex,
+    block_name: str,
+    block: nn.Module,
+    names: CheckpointNames,
+    renames: tuple[tuple[str, str], ...],
+    local: tuple[int, ...],
+) -> tuple[BlockExperts, set[str]]:
+    """This rank's experts of the block, and the names of all its experts (every one checked)."""
+    num_experts, inter, hidden = _shapes(block)
+    prefix, fused = _expert_prefix(index, block_name, names, renames)
+    if fused:
+        fused_shapes = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+        gate_up = index.require(prefix + FUSED_GATE_UP, fused_shapes[0], "the fused experts")
+        down = index.require(prefix + FUSED_DOWN, fused_shapes[1], "the fused experts")
+        for info in (gate_up, down):
+            _refuse_fp8(info)
+        return BlockExperts(block_name, {}, (gate_up, down)), {gate_up.name, down.name}
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    mine, checked = {}, set()
+    for expert in range(num_experts):
+        triple = tuple(
+            index.require(name, shape, f"expert {expert} of {num_experts}")
+            for name, shape in zip(_per_expert_names(prefix, names, expert), shapes, strict=True)
+        )
+        for info in triple:
+            _refuse_fp8(info)
+            checked.add(info.name)
+        if expert in local:
+            mine[expert] = triple
+    return BlockExperts(block_name, mine, None), checked
+
+
+# the model without its weights --------------------------------------------------------------------
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (shape and dtype, no storage);
+    buffers stay real, so what a module computes at construction (rotary tables) is kept. A
+    parameter exists on the CPU only until it is registered (the supported models create their
+    large ones with ``torch.empty``: no page is touched). Patches ``nn.Module`` for the duration:
+    build nothing else in another thread meanwhile."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config``, parameters on the meta device in their load dtypes
+    (transformers' own, e.g. DeepSeek's fp32 routers), buffers on the CPU."""
+    hf = require_transformers()
+    with parameters_on_meta():
+        model = hf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# reading ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank read from the checkpoint, and how long loading took."""
+
+    path: str
+    rank: int
+    world_size: int
+    local_experts: tuple[int, ...]  # the expert of each of this rank's slots
+    num_experts: int
+    prepare_s: float  # config, the empty model, the checkpoint's metadata read and checked
+    read_s: float  # reading the tensors (opening shards, reading, casting, copying)
+    total_s: float  # all of load_sharded, building the EP layers (collective) included
+    bytes_read: int
+    checkpoint_bytes: int  # every tensor of the checkpoint
+    dense_bytes: int
+    expert_bytes: int
+    reads: tuple[TensorRead, ...]  # in reading order
+    ignored: tuple[str, ...]  # checkpoint tensors the model has no place for
+
+    def describe(self) -> str:
+        share = self.bytes_read / max(self.checkpoint_bytes, 1)
+        return (
+            f"rank {self.rank}/{self.world_size}: read {self.bytes_read / 1e6:,.1f} MB of "
+            f"{self.checkpoint_bytes / 1e6:,.1f} MB ({share:.0%}; dense "
+            f"{self.dense_bytes / 1e6:,.1f} MB, experts {_ids(self.local_experts)} of "
+            f"{self.num_experts}: {self.expert_bytes / 1e6:,.1f} MB) "
+            f"in {len(self.reads)} reads, {self.read_s:.2f} s (before it "
+            f"{self.prepare_s:.2f} s, in all {self.total_s:.2f} s); {len(self.ignored)} "
+            "checkpoint tensors unused"
+        )
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """``load_sharded``'s result: the patched model, its patch report, what was read."""
+
+    model: nn.Module
+    patch: PatchReport
+    load: LoadReport
+
+
+def _read_dense(
+    model: nn.Module, plan: LoadPlan, reader: TensorReader, device: torch.device
+) -> None:
+    """Each dense tensor read once, cast to the model's dtype for it, and set under all its
+    names (one parameter object: tied weights stay tied)."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    for tensor in sorted(plan.dense, key=lambda t: (str(t.info.file), t.info.name)):
+        old = targets[tensor.targets[0]]
+        value = reader.read(tensor.info, device, old.dtype)
+        if not tensor.is_buffer:
+            value = nn.Parameter(value, requires_grad=old.requires_grad)
+        for name in tensor.targets:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            (owner._buffers if tensor.is_buffer else owner._parameters)[attr] = value
+    for module in model.modules():  # the buffers computed at construction
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+class _ExpertLoader:
+    """``patch_moe_blocks``' source of each block's local experts: reads each distinct one once
+    from the checkpoint into ``w13 [S, 2I, H]`` (rows ``[gate; up]``) and ``w2 [S, H, I]``, one
+    row per slot (a replicated expert is copied into each of its slots)."""
+
+    def __init__(self, plan: LoadPlan, reader: TensorReader, device: torch.device) -> None:
+        self.plan, self.reader, self.device = plan, reader, device
+
+    def __call__(
+        self, name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if tuple(local) != self.plan.local:  # the EP layer's placement is the plan's
+            raise RuntimeError(f"{name}: EP layer serves experts {local}, plan {self.plan.local}")
+        distinct = sorted(set(local))
+        row = {expert: i for i, expert in enumerate(distinct)}
+        out13 = torch.empty((len(distinct), *w13.shape[1:]), dtype=w13.dtype, device=self.device)
+        out2 = torch.empty((len(distinct), *w2.shape[1:]), dtype=w2.dtype, device=self.device)
+        experts = self.plan.experts[name]
+        if experts.fused is not None:
+            gate_up, down = experts.fused
+            for run in _runs(distinct):  # one read per run of consecutive experts
+                rows = slice(row[run.start], row[run.start] + len(run))
+                self.reader.read_into(gate_up, out13[rows], run)
+                self.reader.read_into(down, out2[rows], run)
+        else:
+            inter = w2.size(2)
+            targets = []  # (checkpoint tensor, where it goes)
+            for expert, (gate, up, down) in experts.per_expert.items():
+                i = row[expert]
+                targets += [(gate, out13[i, :inter]), (up, out13[i, inter:]), (down, out2[i])]
+            for info, target in sorted(targets, key=lambda t: (str(t[0].file), t[0].name)):
+                self.reader.read_into(info, target)
+        if len(distinct) == len(local):
+            return out13, out2
+        slots = torch.tensor([row[expert] for expert in local], device=self.device)
+        return out13[slots], out2[slots]  # [S, ...]: indexing copies
+
+
+def load_sharded(
+    path: str | Path,
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    config: Any = None,
+    progress: ProgressCallback | None = None,
+    **layer_options: Any,
+) -> ShardedModel:
+    """The model at ``path`` (a checkpoint directory, or one ``.safetensors`` file with
+    ``config``, or with ``config.json`` beside it) on this rank of ``group`` (``None``: the
+    default group if initialised, else a world of 1), its MoE blocks expert-parallel, having
+    read only the dense tensors and this rank's experts. ``device``: default CUDA on NCCL groups,
+    else CPU; ``dtype``: of the dense part and the experts (transformers' fp32 exceptions kept);
+    ``progress``: called after every tensor read (default: a line on stderr at most every 5 s);
+    ``layer_options`` go to ``EPMoE`` through ``patch_moe_blocks``. Every rank must call it."""
+    started = time.perf_counter()
+    hf = require_transformers()
+    path = Path(path)
+    comm = Comm.create(group, None if device is None else torch.device(device))
+    if config is None:
+        config = hf.AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
+    elif isinstance(config, (str, Path)):
+        config = hf.AutoConfig.from_pretrained(str(config))
+    index = CheckpointIndex.open(path)
+    model = build_empty_model(config, dtype)
+    plan = plan_load(
+        model,
+        index,
+        comm.rank,
+        comm.world_size,
+        layer_options.get("num_redundant_experts", 0),
+    )
+    prepare_s = time.perf_counter() - started
+    expert_infos = [t for block in plan.experts.values() for t in block.tensors()]
+    dense_bytes = sum(t.info.nbytes for t in plan.dense)
+    expert_bytes = sum(_bytes_for_rank(t, plan) for t in expert_infos)
+    reader = TensorReader(
+        index,
+        rank=comm.rank,
+        bytes_total=dense_bytes + expert_bytes,
+        tensors_total=len(plan.dense) + len(expert_infos),
+        progress=progress or ProgressPrinter(),
+    )
+    try:
+        _read_dense(model, plan, reader, comm.device)
+        loader = _ExpertLoader(plan, reader, comm.device)
+        patch = patch_moe_blocks(
+            model, comm.group, expert_weights=loader, device=comm.device, **layer_options
+        )
+    finally:
+        reader.close()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left without weights after loading: {left[:5]}")
+    report = LoadReport(
+        path=str(path),
+        rank=comm.rank,
+        world_size=comm.world_size,
+        local_experts=plan.local,
+        num_experts=plan.num_experts,
+        prepare_s=prepare_s,
+        read_s=reader.read_s,
+        total_s=time.perf_counter() - started,
+        bytes_read=reader.bytes_read,
+        checkpoint_bytes=index.nbytes,
+        dense_bytes=dense_bytes,
+        expert_bytes=expert_bytes,
+        reads=tuple(reader.reads),
+        ignored=plan.ignored,
+    )
+    return ShardedModel(model, patch, report)
+
+
+def _bytes_for_rank(info: TensorInfo, plan: LoadPlan) -> int:
+    """Bytes this rank reads of an expert tensor: all of a per-expert one, its rows of a fused."""
+    fused = any(block.fused is not None and info in block.fused for block in plan.experts.values())
+    if not fused:
+        return info.nbytes
+    return info.nbytes // info.shape[0] * len(set(plan.local))
+
+
+def _ids(experts: tuple[int, ...]) -> str:
+    """(4, 5, 6, 7) → '[4, 8)'; anything else as the list."""
+    if experts == tuple(range(experts[0], experts[0] + len(experts))):
+        return f"[{experts[0]}, {experts[-1] + 1})"
+    return str(list(experts))
+
+
+def _runs(experts: list[int]) -> list[range]:
+    """Sorted distinct ids as maximal runs of consecutive ids: [0, 1, 2, 5] → [0:3, 5:6]."""
+    runs: list[range] = []
+    for expert in experts:
+        if runs and runs[-1].stop == expert:
+            runs[-1] = range(runs[-1].start, expert + 1)
+        else:
+            runs.append(range(expert, expert + 1))
+    return runs
