@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ep_runtime import dispatch as _dispatch_backends  # noqa: F401  (registers dispatchers)
 from ep_runtime import experts as _experts_backends  # noqa: F401  (registers experts)
-from ep_runtime.comm import Comm
+from ep_runtime.comm import Comm, PeerIdentity
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.base import (
     DISPATCHERS,
@@ -22,10 +22,8 @@ from ep_runtime.dispatch.base import (
     DispatchSetup,
     LayerIdentity,
     PeerSetup,
-    acquire_dispatcher,
-    release_dispatcher,
 )
-from ep_runtime.dispatch.peers import PeerIdentity
+from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
 from ep_runtime.dispatch.protocol import fingerprint_of
 from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup, check_expert_weights
 from ep_runtime.placement import ExpertPlacement
