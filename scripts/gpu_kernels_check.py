@@ -1,4 +1,4 @@
-"""GPU check of the Triton data-path kernels (``ep_runtime/kernels/triton_ops.py``), one command:
+"""GPU check of the Triton data-path kernels (``ep_runtime/kernels/``, a file per op), one command:
 
     python scripts/gpu_kernels_check.py --out kernels.json
 
@@ -36,15 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ep_runtime import EPMoE, MoEConfig  # noqa: E402
-from ep_runtime.kernels import torch_ops, triton_ops  # noqa: E402
-from ep_runtime.kernels.layout import (  # noqa: E402
-    HEADER_INTS,
-    ChunkLayout,
-    Field,
-    RowFormat,
-    header_rows_for,
-    new_control,
-)
+from ep_runtime.kernels import TORCH_OPS as torch_ops  # noqa: E402
+from ep_runtime.kernels import TRITON_OPS as triton_ops  # noqa: E402
+from ep_runtime.kernels.layout import ChunkLayout, RowFormat, header_rows_for  # noqa: E402
+from ep_runtime.kernels.wire import HEADER_INTS, Field, HeaderFields, new_control  # noqa: E402
 
 BF16 = torch.bfloat16
 DEVICE = torch.device("cuda")
@@ -123,8 +118,8 @@ def random_ids(tokens: int, shape: Shape, seed: int) -> torch.Tensor:
     return scores.topk(shape.top_k, dim=1).indices
 
 
-def fields(shape: Shape) -> torch_ops.HeaderFields:
-    return torch_ops.HeaderFields(0, 0x1234, 0, 1, shape.top_k, 1)
+def fields(shape: Shape) -> HeaderFields:
+    return HeaderFields(0, 0x1234, 0, 1, shape.top_k, 1)
 
 
 def route(ops, ids: torch.Tensor, shape: Shape, drop: bool):

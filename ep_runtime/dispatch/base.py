@@ -33,6 +33,7 @@ from ep_runtime.dispatch.protocol import (
     ForwardStatus,
     LayerIdentity,
     Recorded,
+    invalid_ids_error,
 )
 from ep_runtime.dispatch.setup import (
     DEVICE_CHECKS_ENV,
@@ -46,23 +47,14 @@ from ep_runtime.registry import Registry
 from ep_runtime.types import (
     ClosedError,
     Dispatched,
-    EPInputError,
     ForwardMismatchError,
     GroupUnusableError,
     RemoteRankError,
     TopkLayout,
 )
-from ep_runtime.validation import check_topk_id_values
 
-__all__ = [
-    "DEVICE_CHECKS_ENV",
-    "DISPATCHERS",
-    "DispatchSetup",
-    "Dispatcher",
-    "DispatcherCapabilities",
-    "LayerIdentity",
-    "PeerSetup",
-]
+__all__ = ["DEVICE_CHECKS_ENV", "DISPATCHERS", "DispatchSetup", "Dispatcher", "LayerIdentity"]
+__all__ += ["DispatcherCapabilities", "PeerSetup"]  # setup.py's, where the layer imports them
 
 FINAL_METHODS = ("dispatch", "combine")
 PackedT = TypeVar("PackedT")  # a transport's packed dispatch, before the header exchange
@@ -116,18 +108,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
 
     @classmethod
     def refusal(cls, setup: DispatchSetup, layout: TopkLayout | None) -> str | None:
-        caps = cls.capabilities
-        if setup.comm.device.type not in caps.device_types:
-            return f"runs on {sorted(caps.device_types)}, not {setup.comm.device.type}"
-        if setup.mode not in caps.modes:
-            return f"supports modes {sorted(m.value for m in caps.modes)}, not {setup.mode.value}"
-        if layout is not None and layout not in caps.layouts:
-            return f"supports layouts {sorted(x.value for x in caps.layouts)}, not {layout.value}"
-        if setup.dtype not in caps.dtypes:
-            return f"supports dtypes {sorted(map(str, caps.dtypes))}, not {setup.dtype}"
-        if setup.comm.world_size < caps.min_world_size:
-            return f"needs a group of >= {caps.min_world_size} ranks, got {setup.comm.world_size}"
-        return cls.unavailable_reason(setup)
+        return cls.capabilities.refusal(setup, layout) or cls.unavailable_reason(setup)
 
     # ----------------------------------------------------------------- the protocol
     @final
@@ -312,15 +293,6 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     def close(self) -> None:
         self._closed = True
         self.comm.close()
-
-
-def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException:
-    """The error for ids the route found invalid on the device (read here on the error path)."""
-    try:
-        check_topk_id_values(topk_ids, num_experts)
-    except EPInputError as error:
-        return error
-    return EPInputError("topk_ids", f"values in [0, {num_experts}) or -1, distinct", "invalid")
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("dispatcher")

@@ -27,6 +27,7 @@ from ep_runtime.comm import Comm
 from ep_runtime.kernels import KernelOps
 from ep_runtime.kernels.wire import HEADER_INTS, Control, Field, HeaderFields, new_control
 from ep_runtime.types import EPInputError, ForwardMismatchError, RemoteRankError
+from ep_runtime.validation import check_topk_id_values
 
 
 class ForwardStatus(enum.IntEnum):
@@ -301,3 +302,12 @@ class Recorded:
         if self.status:
             reason = f"{self.status.name} in forward #{self.seq} (recorded on the device)"
             raise RemoteRankError(self.rank, reason)
+
+
+def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException:
+    """The error for ids the route found invalid on the device (read here on the error path)."""
+    try:
+        check_topk_id_values(topk_ids, num_experts)
+    except EPInputError as error:
+        return error
+    return EPInputError("topk_ids", f"values in [0, {num_experts}) or -1, distinct", "invalid")

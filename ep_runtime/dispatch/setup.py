@@ -23,6 +23,20 @@ class DispatcherCapabilities:
     dtypes: frozenset[torch.dtype]
     min_world_size: int = 1
 
+    def refusal(self, setup: DispatchSetup, layout: TopkLayout | None) -> str | None:
+        """Why these capabilities do not cover ``setup`` (and ``layout``, when given)."""
+        if setup.comm.device.type not in self.device_types:
+            return f"runs on {sorted(self.device_types)}, not {setup.comm.device.type}"
+        if setup.mode not in self.modes:
+            return f"supports modes {sorted(m.value for m in self.modes)}, not {setup.mode.value}"
+        if layout is not None and layout not in self.layouts:
+            return f"supports layouts {sorted(x.value for x in self.layouts)}, not {layout.value}"
+        if setup.dtype not in self.dtypes:
+            return f"supports dtypes {sorted(map(str, self.dtypes))}, not {setup.dtype}"
+        if setup.comm.world_size < self.min_world_size:
+            return f"needs a group of >= {self.min_world_size} ranks, got {setup.comm.world_size}"
+        return None
+
 
 @dataclass(frozen=True)
 class DispatchSetup:
