@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.kernels import TORCH_OPS as torch_ops
 from ep_runtime.kernels import TRITON_OPS as triton_ops
-from ep_runtime.kernels import route
+from ep_runtime.kernels import route as route_op
 from ep_runtime.kernels.layout import ChunkLayout, RowFormat, chunk_starts, header_rows_for
 from ep_runtime.kernels.ops import KERNELS_ENV
 from ep_runtime.kernels.wire import CONTROL_INTS, HEADER_INTS, Control, Field, HeaderFields
@@ -513,7 +513,7 @@ class LaunchCounter:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        kernel_class = type(route._route_kernel)
+        kernel_class = type(route_op._route_kernel)
         original = kernel_class.run
 
         def counting_run(kernel, *args, **kwargs):
