@@ -1,38 +1,122 @@
-"""The few collectives EP needs, over a torch.distributed group or a world of one process."""
+"""This rank's view of its group: the collectives EP needs, notices to the peers, and liveness.
+
+``Comm.create`` gives a ``GroupComm`` over a torch.distributed group, or a ``SingleRankComm`` for a
+world of one (no group, or a group of one rank): the same methods, where collectives hand back
+what was sent and there is nobody to notify. Code above this module never asks whether it is
+alone.
+
+A dispatcher watches its peers (``watched``): a rank waiting in a collective (gloo blocks the
+host; exact mode on NCCL reads counts on the host) polls, besides the collective, the notices
+peers post in the group's store (a layer closed, a failure inside a forward, an exception that
+ends the process) and, for peers on this host, whether their process still exists. Either turns
+the wait into a ``RemoteRankError`` naming the peer within a fraction of a second, instead of
+the group timeout. A transport error (a peer's connection closed) is diagnosed the same way.
+Leaving a collective early leaves the group out of step: the comm is then marked unusable and
+every later call says why.
+"""
 
 from __future__ import annotations
 
+import abc
+import atexit
+import contextlib
+import functools
+import json
+import os
+import socket
+import sys
+import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
+from ep_runtime.types import GroupUnusableError, RemoteRankError
+
+POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
+POLL_EVERY_S = 0.2
+SETTLE_S = 2.0  # how long a collective may take to end by itself once a peer is in trouble
+SPIN_S = 0.002  # a device read spins this long before sleeping between polls
+DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
+DISPATCHER_NOTICE = "dispatcher"
+# At exit, a gloo worker thread can still be letting go of the last collective's tensors; if the
+# interpreter is already finalizing, taking the GIL for that ends the thread by a forced unwind
+# through torch's C++ frames, and the process aborts (SIGABRT, "terminate called without an active
+# exception", in ProcessGroupGloo::runLoop → TensorImpl::decref_pyobject). Exit waits this long
+# first, while the interpreter can still serve it.
+GLOO_RELEASE_S = 0.2
+
 
 @dataclass(frozen=True)
-class Comm:
-    """A process group (or none: a world of 1), its rank and size, and the device data moves on."""
+class PeerIdentity:
+    """Where a rank's process runs, for liveness checks."""
 
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-    device: torch.device
+    host: str
+    pid: int
+
+    @staticmethod
+    def of_this_process() -> PeerIdentity:
+        return PeerIdentity(socket.gethostname(), os.getpid())
+
+
+class Comm(abc.ABC):
+    """A group of ``world_size`` ranks as seen from ``rank``, and the device data moves on."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.unusable_reason: str | None = None
+        self.layer_in_flight: int | None = None  # whose notices concern the wait in progress
 
     @staticmethod
     def create(group: dist.ProcessGroup | None, device: torch.device | None = None) -> Comm:
         """Wrap ``group``; ``None`` means the default group if initialised, else a world of 1."""
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
-        if group is None:
-            rank, world_size = 0, 1
-        else:
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         if device is None:
             device = default_device(group)
-        return Comm(group=group, rank=rank, world_size=world_size, device=device)
+        if group is None:
+            return SingleRankComm(device)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if world_size == 1:
+            return SingleRankComm(device, group)
+        return GroupComm(group, rank, world_size, device)
 
     @property
     def backend(self) -> str:
         return "none" if self.group is None else str(dist.get_backend(self.group))
+
+    @property
+    @abc.abstractmethod
+    def has_peers(self) -> bool:
+        """Whether any other rank takes part (headers to agree on, statuses to carry)."""
+
+    # ----------------------------------------------------------------- collectives
+    @abc.abstractmethod
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        *,
+        recv: torch.Tensor | None = None,
+        send_splits: list[int] | None = None,
+        recv_splits: list[int] | None = None,
+    ) -> torch.Tensor:
+        """All-to-all along dim 0 (uneven with splits); returns what arrived (into ``recv``
+        when given; a world of one returns ``send`` itself)."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: object) -> list[object]: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
 
     def all_to_all_single(
         self,
@@ -41,28 +125,354 @@ class Comm:
         output_split_sizes: list[int] | None = None,
         input_split_sizes: list[int] | None = None,
     ) -> None:
-        """Uneven all-to-all along dim 0 (the list form fails on gloo with uneven sizes)."""
-        if self.group is None:
-            output.copy_(input)
-            return
-        dist.all_to_all_single(
-            output,
-            input,
-            output_split_sizes=output_split_sizes,
-            input_split_sizes=input_split_sizes,
-            group=self.group,
+        """``all_to_all`` into ``output`` (torch's argument order)."""
+        received = self.all_to_all(
+            input, recv=output, send_splits=input_split_sizes, recv_splits=output_split_sizes
         )
+        if received is not output:
+            output.copy_(received)
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """``tensor.tolist()``."""
+        return tensor.tolist()
+
+    # ----------------------------------------------------------------- notices and liveness
+    @abc.abstractmethod
+    def watched(self, namespace: str, identities: list[PeerIdentity]) -> Comm:
+        """The same group, posting and polling notices under ``namespace`` and watching the
+        processes ``identities`` names (one per rank)."""
+
+    @abc.abstractmethod
+    def post(self, topic: str, text: str, about: int | None = None) -> None:
+        """Leave a notice for the peers (best effort). ``about``: the rank it is about, when
+        not this one (passing on what this rank found out)."""
+
+    @abc.abstractmethod
+    def leave_in_failure(self, reason: str) -> None:
+        """This rank leaves a collective its peers wait in: tell them, refuse later use."""
+
+    def mark_unusable(self, reason: str) -> None:
+        if self.unusable_reason is None:
+            self.unusable_reason = reason
+
+    def check_usable(self) -> None:
+        if self.unusable_reason is not None:
+            raise GroupUnusableError(
+                f"this dispatcher's process group is out of step since {self.unusable_reason}; "
+                "build new layers on a new process group"
+            )
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop watching (a watched comm)."""
+
+
+class SingleRankComm(Comm):
+    """A world of one: collectives hand back what was sent; there is no one to notify."""
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(group, 0, 1, device)
+
+    @property
+    def has_peers(self) -> bool:
+        return False
+
+    def all_to_all(self, send, *, recv=None, send_splits=None, recv_splits=None) -> torch.Tensor:
+        self.check_usable()
+        return send
 
     def all_gather_object(self, obj: object) -> list[object]:
-        if self.group is None:
-            return [obj]
+        return [obj]
+
+    def barrier(self) -> None:
+        return None
+
+    def watched(self, namespace: str, identities: list[PeerIdentity]) -> Comm:
+        return SingleRankComm(self.device, self.group)
+
+    def post(self, topic: str, text: str, about: int | None = None) -> None:
+        return None
+
+    def leave_in_failure(self, reason: str) -> None:
+        return None  # nobody waits for this rank; the error it raises says it all
+
+    def close(self) -> None:
+        return None
+
+
+def group_store(group: dist.ProcessGroup | None) -> dist.Store | None:
+    """The store the group was built on (torch keeps it privately), or None."""
+    if group is None:
+        return None
+    try:
+        if group is dist.group.WORLD:
+            return dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._world.pg_map[group][1]
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return None
+
+
+def process_is_gone(pid: int) -> bool:
+    """True if ``pid`` (on this host) no longer runs: no such process, or a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+_LIVE: weakref.WeakSet[GroupComm] = weakref.WeakSet()
+
+
+class _ExitNotices:
+    """``sys.excepthook`` while dispatchers are open: an uncaught exception ends this process,
+    so tell the peers of every watched group why, then run the hook it replaced."""
+
+    def __init__(self, previous: Callable) -> None:
+        self.previous = previous
+
+    def __call__(
+        self, kind: type[BaseException], value: BaseException, trace: TracebackType | None
+    ) -> None:
+        for comm in list(_LIVE):
+            comm.post(DISPATCHER_NOTICE, f"exited on an uncaught {kind.__name__}: {value}")
+        self.previous(kind, value, trace)
+
+
+def _install_exit_notices() -> None:
+    if not isinstance(sys.excepthook, _ExitNotices):
+        sys.excepthook = _ExitNotices(sys.excepthook)
+
+
+@functools.cache
+def _wait_for_gloo_at_exit() -> None:
+    """Once per process, the first time a dispatcher runs on a gloo group (GLOO_RELEASE_S)."""
+    atexit.register(time.sleep, GLOO_RELEASE_S)
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """A watched comm's notice namespace and the peers on this host."""
+
+    namespace: str
+    store: dist.Store | None  # None: torch did not say which store the group uses
+    local_peers: tuple[tuple[int, int], ...]  # (rank, pid)
+
+
+class GroupComm(Comm):
+    """Two or more ranks over a torch.distributed group."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        watch: _Watch | None = None,
+    ) -> None:
+        super().__init__(group, rank, world_size, device)
+        self._watch = watch
+        self._notices_seen = 0
+
+    @property
+    def has_peers(self) -> bool:
+        return True
+
+    # ----------------------------------------------------------------- collectives
+    def all_to_all(self, send, *, recv=None, send_splits=None, recv_splits=None) -> torch.Tensor:
+        self.check_usable()
+        if recv is None:
+            rows = send.size(0) if recv_splits is None else sum(recv_splits)
+            recv = send.new_empty(rows, *send.shape[1:])
+        work = dist.all_to_all_single(
+            recv, send, recv_splits, send_splits, group=self.group, async_op=True
+        )
+        self._wait(work, "all_to_all")
+        return recv
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        self.check_usable()
         gathered: list[object] = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        dist.barrier(group=self.group)
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """On CUDA the wait polls for peers instead of blocking."""
+        if tensor.device.type != "cuda":
+            return tensor.tolist()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._poll(done.query, "a device read")
+        return host.tolist()
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work``; watched on gloo (the host blocks), in slices, looking for trouble
+        between them. A slice that times out leaves the collective running (gloo keeps it)."""
+        if self._watch is None or "gloo" not in self.backend:  # NCCL: the stream waits
+            work.wait()
+            return
+        timeout = timedelta(seconds=POLL_START_S)
+        while True:
+            try:
+                work.wait(timeout)
+                return
+            except Exception as error:
+                if work.is_completed():  # it failed, not a slice that timed out
+                    self._diagnose(error, what)
+            self._raise_on_trouble(what, settle=work)
+            timeout = timedelta(seconds=POLL_EVERY_S)
+
+    def _poll(self, done: Callable[[], bool], what: str) -> None:
+        """Until ``done()``: spin briefly, then sleep in short steps, looking for trouble."""
+        start = time.monotonic()
+        next_look = start + POLL_START_S
+        while not done():
+            now = time.monotonic()
+            if now - start > SPIN_S:
+                time.sleep(0.0005)
+            if now >= next_look:
+                self._raise_on_trouble(what)
+                next_look = now + POLL_EVERY_S
+
+    # ----------------------------------------------------------------- notices and liveness
+    def watched(self, namespace: str, identities: list[PeerIdentity]) -> Comm:
+        store = group_store(self.group)
+        local_host = socket.gethostname()
+        local_peers = tuple(
+            (rank, identity.pid)
+            for rank, identity in enumerate(identities)
+            if rank != self.rank and identity.host == local_host
+        )
+        comm = GroupComm(
+            self.group,
+            self.rank,
+            self.world_size,
+            self.device,
+            _Watch(namespace, store, local_peers),
+        )
+        if store is not None:
+            _LIVE.add(comm)
+            _install_exit_notices()
+            if "gloo" in self.backend:
+                _wait_for_gloo_at_exit()
+        return comm
+
+    def post(self, topic: str, text: str, about: int | None = None) -> None:
+        if self._watch is None or self._watch.store is None:
+            return
+        try:
+            rank = self.rank if about is None else about
+            notice = json.dumps({"text": text, "time": time.time(), "rank": rank})
+            self._watch.store.set(self._key(self.rank, topic), notice)
+            self._watch.store.add(f"{self._watch.namespace}/count", 1)
+        except Exception:  # a notice must never raise on the failure path
+            return
+
+    def leave_in_failure(self, reason: str) -> None:
+        self.post(DISPATCHER_NOTICE, reason)
+        self.mark_unusable(f"this rank {reason}")
+
+    def close(self) -> None:
+        _LIVE.discard(self)
+
+    def _key(self, rank: int, topic: str) -> str:
+        assert self._watch is not None
+        return f"{self._watch.namespace}/{rank}/{topic}"
+
+    def _notices(self) -> list[tuple[int, str]]:
+        """(rank, text) of the notices that concern the forward in flight, earliest first (a
+        peer that failed because of another posts a notice too: the first one is the cause)."""
+        if self._watch is None or self._watch.store is None:
+            return []
+        store = self._watch.store
+        count = int(store.add(f"{self._watch.namespace}/count", 0))
+        if count == self._notices_seen:
+            return []
+        topics = [DISPATCHER_NOTICE]
+        if self.layer_in_flight is not None:
+            topics.append(f"layer{self.layer_in_flight}")
+        found = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            for topic in topics:
+                key = self._key(rank, topic)
+                if store.check([key]):
+                    notice = json.loads(store.get(key))
+                    found.append((notice["time"], notice["rank"], notice["text"]))
+        if not found:
+            self._notices_seen = count
+        return [(rank, text) for _, rank, text in sorted(found)]
+
+    def _trouble(self) -> tuple[int, str] | None:
+        """A peer's notice (it says why), else a peer on this host whose process is gone, else
+        an unreachable store (its host may be the one that died)."""
+        store_error = None
+        try:
+            notices = self._notices()
+        except Exception as error:  # the store's host may be the dead one
+            notices, store_error = [], error
+        if notices:
+            return notices[0]
+        for rank, pid in self._watch.local_peers if self._watch is not None else ():
+            if process_is_gone(pid):
+                return rank, f"is gone: its process (pid {pid} on this host) ended"
+        if store_error is not None:
+            kind = type(store_error).__name__
+            return -1, f"the group's store is unreachable ({kind}: {store_error})"
+        return None
+
+    def _raise_on_trouble(
+        self, what: str, cause: BaseException | None = None, settle: dist.Work | None = None
+    ) -> None:
+        """Raise if a peer is in trouble. ``settle``: the collective this rank is about to leave;
+        it gets a moment to end by itself first (with a dead peer gloo fails it at once), so no
+        collective is left running in gloo's threads when the process exits."""
+        found = self._trouble()
+        if found is None:
+            return
+        deadline = time.monotonic() + SETTLE_S
+        while settle is not None and not settle.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rank, reason = found
+        if rank >= 0 and self.unusable_reason is None:  # pass it on: peers elsewhere learn it
+            self.post(DISPATCHER_NOTICE, reason, about=rank)
+        self.mark_unusable(f"rank {rank} {reason}" if rank >= 0 else reason)
+        self._abort_group()
+        if rank < 0:
+            raise GroupUnusableError(f"{what}: {reason}") from cause
+        raise RemoteRankError(rank, f"{reason} (seen while waiting in {what})") from cause
+
+    def _diagnose(self, error: Exception, what: str) -> None:
+        """A transport error: wait briefly for the peer's notice or death to name it."""
+        deadline = time.monotonic() + DIAGNOSE_S
+        while time.monotonic() < deadline:
+            self._raise_on_trouble(what, error)
+            time.sleep(0.05)
+        self.mark_unusable(f"{what} failed: {error}")
+        raise GroupUnusableError(
+            f"{what} failed and no peer is known to have failed: {type(error).__name__}: {error}"
+        ) from error
+
+    def _abort_group(self) -> None:
+        """This rank leaves a collective its peers will never finish: abort the group, so the
+        collective left behind ends now instead of blocking the process's exit (gloo aborts a
+        process that exits with a collective still waiting) and no later call pairs with it."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
 
 
 def default_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from ep_runtime.agreement import agree_on_build
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
-from ep_runtime.dispatch.base import LayerIdentity, acquire_dispatcher, release_dispatcher
+from ep_runtime.dispatch.base import LayerIdentity
+from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
 from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport
 from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device

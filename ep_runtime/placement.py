@@ -1,4 +1,5 @@
-"""Which physical slots a rank owns: the contiguous range ``[r·L, (r+1)·L)``."""
+"""Which physical slots a rank owns: the contiguous range ``[r·L, (r+1)·L)``, and the one
+encoding of "this rank's ids" every backend and kernel spec uses."""
 
 from __future__ import annotations
 
@@ -7,6 +8,32 @@ from dataclasses import dataclass
 import torch
 
 from ep_runtime.types import EPInputError
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """The global ids ``[offset, offset + count)`` one rank serves. A slot is served here iff
+    its id is in that range (-1 and other ranks' ids are not)."""
+
+    offset: int
+    count: int
+
+    def index(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``' shape, int64: local index in ``[0, count)`` where served, ``count`` else."""
+        local = ids.to(torch.int64) - self.offset
+        return torch.where((local >= 0) & (local < self.count), local, self.count)
+
+    def served(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``' shape, bool: the slots served here."""
+        return self.index(ids) < self.count
+
+    def own(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``' shape, int32: the global ids served here, -1 elsewhere."""
+        return torch.where(self.served(ids), ids.to(torch.int32), -1)
+
+    def to_global(self, local: torch.Tensor, served: torch.Tensor) -> torch.Tensor:
+        """int32 global ids of the local indices ``local`` where ``served``, -1 elsewhere."""
+        return torch.where(served, local.to(torch.int64) + self.offset, -1).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -37,9 +64,6 @@ class ExpertPlacement:
     def local_expert_offset(self) -> int:
         return self.rank * self.num_local_experts
 
-    def local_index(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """``[R, K']`` int64 local index in ``[0, L)`` for slots served here, ``L`` for the rest
-        (-1 and other ranks' ids)."""
-        local = topk_ids.to(torch.int64) - self.local_expert_offset
-        num_local = self.num_local_experts
-        return torch.where((local >= 0) & (local < num_local), local, num_local)
+    @property
+    def local(self) -> LocalExperts:
+        return LocalExperts(self.local_expert_offset, self.num_local_experts)

@@ -125,3 +125,7 @@ class ForwardMismatchError(RuntimeError):
     def __reduce__(self) -> tuple:
         """Unpickle through ``__init__`` (Ray and multiprocessing send errors between ranks)."""
         return type(self), (self.differing, self.here), self.__dict__
+
+
+class GroupUnusableError(RuntimeError):
+    """The dispatcher's process group is out of step after a peer failed or left."""

@@ -45,9 +45,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ep_runtime.comm import Comm
-from ep_runtime.dispatch.base import DISPATCHERS, DispatchSetup
+from ep_runtime.comm import Comm, SingleRankComm
+from ep_runtime.dispatch.base import DISPATCHERS
 from ep_runtime.dispatch.deepep_v2 import DeepEPLibrary, DeepEPV2Dispatcher
+from ep_runtime.dispatch.setup import DispatchSetup
 
 topk_idx_t = torch.int64  # deep_ep.topk_idx_t's default width (DeepEP)
 INVALID_LOCAL_ID = 0  # what "uninitialised" id rows hold here: a valid-looking local expert
@@ -119,12 +120,8 @@ class ImitationElasticBuffer:
             raise NotImplementedError(
                 "imitated: bf16 dispatch with allow_multiple_reduction=False only"
             )
-        if group is None:
-            self.comm = Comm(None, 0, 1, torch.device("cpu"))
-        else:
-            self.comm = Comm(
-                group, dist.get_rank(group), dist.get_world_size(group), torch.device("cpu")
-            )
+        cpu = torch.device("cpu")
+        self.comm = SingleRankComm(cpu) if group is None else Comm.create(group, cpu)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk

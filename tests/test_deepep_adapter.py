@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ep_runtime import EPMoE, MoEConfig
-from ep_runtime.comm import Comm
+from ep_runtime.comm import Comm, PeerIdentity, SingleRankComm
 from ep_runtime.dispatch import deepep_environment, deepep_v2
 from ep_runtime.dispatch.base import (
     DISPATCHERS,
@@ -35,8 +35,9 @@ from ep_runtime.dispatch.nccl_probe import (
     _decode_version,
     probe_library,
 )
-from ep_runtime.dispatch.peers import PeerIdentity
+from ep_runtime.placement import LocalExperts
 from ep_runtime.types import ClosedError, DispatchMode, EPInputError, TopkLayout
+from tests.comms import comm_without_group
 from tests.deepep_imitation import (
     INVALID_LOCAL_ID,
     ImitationBackedDeepEP,
@@ -151,7 +152,7 @@ LAYER = LayerIdentity(fingerprint=1, index=0)
 
 def _setup(mode: DispatchMode, cap: int = 6, world_size: int = 1) -> DispatchSetup:
     return DispatchSetup(
-        comm=Comm(None, 0, world_size, torch.device("cpu")),
+        comm=comm_without_group(world_size, torch.device("cpu")),
         num_experts=8,
         hidden_size=HIDDEN,
         max_top_k=3,
@@ -265,7 +266,7 @@ def test_local_ids_become_global_on_rank_one_of_two():
     """Rank 1 of 2: local id 2 is global 6. Hand the adapter a DeepEP-shaped answer."""
     dispatcher = ImitationBackedDeepEP.__new__(ImitationBackedDeepEP)  # no buffer: _standard only
     dispatcher.setup = DispatchSetup(
-        comm=Comm(None, 1, 2, torch.device("cpu")),
+        comm=comm_without_group(2, torch.device("cpu"), rank=1),
         num_experts=8,
         hidden_size=HIDDEN,
         max_top_k=3,
@@ -274,7 +275,7 @@ def test_local_ids_become_global_on_rank_one_of_two():
         mode=DispatchMode.CAPACITY,
     )
     dispatcher.placement = dispatcher.setup.placement
-    dispatcher.num_local, dispatcher.local_offset = 4, 4
+    dispatcher.local = LocalExperts(offset=4, count=4)
     handle = types.SimpleNamespace(
         psum_num_recv_tokens_per_scaleup_rank=torch.tensor([1, 2], dtype=torch.int32)
     )
@@ -351,7 +352,7 @@ def fresh_problems():
 
 def _cuda_setup(world_size: int) -> DispatchSetup:
     return DispatchSetup(
-        comm=Comm(None, 0, world_size, torch.device("cuda", 0)),
+        comm=comm_without_group(world_size, torch.device("cuda", 0)),
         num_experts=8,
         hidden_size=HIDDEN,
         max_top_k=3,
@@ -467,7 +468,9 @@ def installed_setup(monkeypatch) -> DispatchSetup:
     installed: everything but the probe (and the setup's own values) passes."""
     monkeypatch.setattr(deepep_v2, "deep_ep_problems", lambda: ())
     monkeypatch.setattr(Comm, "backend", property(lambda self: "nccl"))
-    return dataclasses.replace(_cuda_setup(1), comm=Comm(object(), 0, 1, torch.device("cuda", 0)))
+    return dataclasses.replace(
+        _cuda_setup(1), comm=SingleRankComm(torch.device("cuda", 0), object())
+    )
 
 
 @pytest.mark.parametrize(

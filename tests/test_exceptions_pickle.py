@@ -13,7 +13,6 @@ import pytest
 
 import ep_runtime
 from ep_runtime.dispatch.deepep_v2 import DeepEPUnavailableError
-from ep_runtime.dispatch.peers import GroupUnusableError
 from ep_runtime.integrations.transformers import UnsupportedMoEBlockError
 from ep_runtime.launch.spec import LaunchError, RankFailure
 from ep_runtime.types import (
@@ -21,6 +20,7 @@ from ep_runtime.types import (
     ClosedError,
     EPInputError,
     ForwardMismatchError,
+    GroupUnusableError,
     RemoteRankError,
 )
 

@@ -21,7 +21,7 @@ from flashinfer.fused_moe.core import convert_to_block_layout
 from flashinfer.utils import get_shuffle_matrix_a_row_indices
 
 from ep_runtime.experts import EXPERTS, flashinfer_cutlass, flashinfer_trtllm, self_check
-from ep_runtime.experts.flashinfer_common import pad_intermediate
+from ep_runtime.experts.flashinfer_common import kernel_routing, pad_intermediate
 from ep_runtime.experts.flashinfer_cutlass import FlashInferCutlassExperts
 from ep_runtime.experts.flashinfer_trtllm import FlashInferTrtllmExperts, gemm1_row_order
 from ep_runtime.experts.self_check import check_setup, make_check_problem
@@ -205,13 +205,22 @@ def test_padding_keeps_results(activation: Activation):
 
 
 def contract_problem(activation: Activation, layout: TopkLayout, **kwargs):
-    """The check problem for virtual rank 1 of 3, with ids handed over as non-contiguous int64."""
+    """The check problem for virtual rank 1 of 3, with ids handed over as a non-contiguous view."""
     setup = check_setup(activation, CPU, **kwargs)
     problem = make_check_problem(setup, layout)
-    ids = problem.dispatched.topk_ids.to(torch.int64)
-    ids64 = torch.stack([ids, ids], dim=2)[..., 0]  # [R, K'] with strides (2K', 2)
-    assert not ids64.is_contiguous()
-    return setup, problem, dataclasses.replace(problem.dispatched, topk_ids=ids64)
+    ids = problem.dispatched.topk_ids
+    strided = torch.stack([ids, ids], dim=2)[..., 0]  # [R, K'] int32 with strides (2K', 2)
+    assert not strided.is_contiguous() and strided.dtype == torch.int32
+    return setup, problem, dataclasses.replace(problem.dispatched, topk_ids=strided)
+
+
+def test_kernel_routing_refuses_ids_off_the_int32_contract():
+    """Dispatched ids are int32 (types.Dispatched): other widths are a dispatcher's bug, named
+    here, not cast."""
+    _, _, dispatched = contract_problem(Activation.SILU, TopkLayout.STANDARD)
+    wide = dataclasses.replace(dispatched, topk_ids=dispatched.topk_ids.to(torch.int64))
+    with pytest.raises(TypeError, match="int32"):
+        kernel_routing(wide)
 
 
 def assert_routing_arguments(ids: torch.Tensor, weights: torch.Tensor, dispatched: Dispatched):

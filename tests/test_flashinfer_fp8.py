@@ -144,11 +144,14 @@ def fp8_backend(**shape) -> FlashInferTrtllmFp8Experts:
 
 
 def fp8_problem(layout: TopkLayout):
-    """The fp8 check problem (virtual rank 1 of 4, offset 2), ids handed over as int64."""
+    """The fp8 check problem (virtual rank 1 of 4, offset 2), ids handed over as a
+    non-contiguous int32 view (Dispatched ids are int32: the dispatch contract)."""
     setup = fp8_setup()
     problem = make_check_problem(setup, layout)
-    ids64 = problem.dispatched.topk_ids.to(torch.int64)
-    return setup, problem, dataclasses.replace(problem.dispatched, topk_ids=ids64)
+    ids = problem.dispatched.topk_ids
+    strided = torch.stack([ids, ids], dim=2)[..., 0]  # [R, K'] int32 with strides (2K', 2)
+    assert not strided.is_contiguous() and strided.dtype == torch.int32
+    return setup, problem, dataclasses.replace(problem.dispatched, topk_ids=strided)
 
 
 @pytest.mark.parametrize("layout", list(TopkLayout))

@@ -1,5 +1,5 @@
-"""The Triton data-path ops (``kernels/triton_ops.py``) against their torch twins (the spec), over
-odd shapes; and whole layers run on the Triton ops against ``reference_moe``.
+"""The Triton data-path ops (one file per op under ``kernels/``) against their torch twins (the
+spec), over odd shapes; and whole layers run on the Triton ops against ``reference_moe``.
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
 set in tests/conftest.py before triton is imported); with one, the same tests run compiled on
@@ -21,17 +21,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
-from ep_runtime import kernels as kernels_module
-from ep_runtime.kernels import torch_ops, triton_ops
-from ep_runtime.kernels.layout import (
-    CONTROL_INTS,
-    HEADER_INTS,
-    ChunkLayout,
-    Control,
-    Field,
-    RowFormat,
-    header_rows_for,
-)
+from ep_runtime.kernels import TORCH_OPS as torch_ops
+from ep_runtime.kernels import TRITON_OPS as triton_ops
+from ep_runtime.kernels import route as route_op
+from ep_runtime.kernels.layout import ChunkLayout, RowFormat, chunk_starts, header_rows_for
+from ep_runtime.kernels.ops import KERNELS_ENV
+from ep_runtime.kernels.wire import CONTROL_INTS, HEADER_INTS, Control, Field, HeaderFields
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 CUDA = torch.cuda.is_available()
@@ -111,9 +106,7 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
         ids = wide.to(device)[:, ::2]
     else:
         ids = ids.to(device)
-    fields = torch_ops.HeaderFields(
-        status=2, fingerprint=0x1234567, layer=3, phase=1, top_k=K, num_chunks=4
-    )
+    fields = HeaderFields(status=2, fingerprint=0x1234567, layer=3, phase=1, top_k=K, num_chunks=4)
     results = {}
     for name, ops in (("triton", triton_ops), ("torch", torch_ops)):
         control = new_control(device, [7, 3, 0, 0, 0, 1])  # SEQ 7, BAD_IDS 3, FORWARD_FAILED 1
@@ -142,7 +135,7 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
 def test_route_tokens_invalid_ids_fail_the_header(device, status) -> None:
     """``invalid_status``: invalid ids set the header's status (where it was OK) instead of
     being counted; valid ids leave it OK."""
-    fields = torch_ops.HeaderFields(status, 9, 0, 1, 3, 1)
+    fields = HeaderFields(status, 9, 0, 1, 3, 1)
     distinct = torch.rand(40, 8, generator=generator(5)).topk(3, dim=1).indices
     for invalid in (True, False):
         ids = routing_ids(40, 3, 8, invalid=True, seed=5) if invalid else distinct
@@ -174,7 +167,7 @@ def test_route_tokens_invalid_ids_fail_the_header(device, status) -> None:
 
 def test_route_tokens_all_unused(device) -> None:
     ids = torch.full((9, 3), -1, dtype=torch.int64, device=device)
-    fields = torch_ops.HeaderFields(0, 1, 0, 1, 3, 1)
+    fields = HeaderFields(0, 1, 0, 1, 3, 1)
     results = []
     for ops in (triton_ops, torch_ops):
         control = new_control(device, [1])
@@ -241,7 +234,7 @@ def test_pack_rows(device, T, K, max_k, E, W, H, dtype, capacity, poison, stride
         world_size=W,
         drop_invalid=False,
         control=control,
-        fields=torch_ops.HeaderFields(0, 77, 1, 1, K, 1),
+        fields=HeaderFields(0, 77, 1, 1, K, 1),
         header_out=header,
     )
     row_format = RowFormat(H, dtype, max_k)
@@ -254,7 +247,7 @@ def test_pack_rows(device, T, K, max_k, E, W, H, dtype, capacity, poison, stride
         send = initial.clone().to(device)
         ops.pack_rows(x, weights, route, send, row_format, chunks, poison=poison)
         sends[name] = send
-    starts = torch_ops.chunk_starts(route.header[:, Field.NUM_ROWS], chunks)
+    starts = chunk_starts(route.header[:, Field.NUM_ROWS], chunks)
     compare_send(sends["triton"], sends["torch"], row_format, starts)
     filler_rows = total - sum(rows) - W  # capacity padding, header rows past the first
     if poison and filler_rows:
@@ -520,7 +513,7 @@ class LaunchCounter:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        kernel_class = type(triton_ops._route_kernel)
+        kernel_class = type(route_op._route_kernel)
         original = kernel_class.run
 
         def counting_run(kernel, *args, **kwargs):
@@ -570,9 +563,9 @@ def test_layer_on_triton_ops(device, monkeypatch, layout, mode, activation) -> N
     ``reference_moe``; with relu², bitwise equal to the same layer on the torch twins."""
     config, w13, w2, tensors = layer_case(device, activation)
     poison = mode == "capacity"
-    monkeypatch.setattr(kernels_module, "implementation", lambda _device: torch_ops)
+    monkeypatch.setenv(KERNELS_ENV, "torch")  # resolved when the layer is built
     on_torch = run_layer(config, w13, w2, tensors, device, layout, mode, poison)
-    monkeypatch.setattr(kernels_module, "implementation", lambda _device: triton_ops)
+    monkeypatch.setenv(KERNELS_ENV, "triton")
     launches = LaunchCounter(monkeypatch)
     on_triton = run_layer(config, w13, w2, tensors, device, layout, mode, poison)
     assert launches.count == LAUNCHES_PER_FORWARD[layout]

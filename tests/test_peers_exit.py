@@ -1,4 +1,4 @@
-"""The exit wait for gloo (``peers.GLOO_RELEASE_S``): registered once per process, and only where
+"""The exit wait for gloo (``comm.GLOO_RELEASE_S``): registered once per process, and only where
 a dispatcher runs on a gloo group. Its effect (no SIGABRT at exit after a peer died) is asserted
 by the dying-rank tests in tests/multigpu/test_failures.py, which require exit codes 0 and 1."""
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from ep_runtime.comm import Comm
-from ep_runtime.dispatch import peers
+from ep_runtime import comm as peers
+from ep_runtime.comm import Comm, GroupComm, SingleRankComm
 
 
 @pytest.fixture
@@ -25,11 +25,17 @@ def registrations(monkeypatch) -> list[tuple]:
     peers._wait_for_gloo_at_exit.cache_clear()
 
 
-def _peers_on(monkeypatch, backend: str, world_size: int = 2) -> peers.Peers:
+def _peers_on(monkeypatch, backend: str, world_size: int = 2) -> Comm:
+    """A dispatcher's watched comm on a group of ``world_size`` that claims ``backend``."""
     monkeypatch.setattr(Comm, "backend", property(lambda self: backend))
-    comm = Comm(object(), 0, world_size, torch.device("cpu"))
+    device = torch.device("cpu")
+    group = object()
+    if world_size == 1:
+        comm: Comm = SingleRankComm(device, group)  # type: ignore[arg-type]
+    else:
+        comm = GroupComm(group, 0, world_size, device)  # type: ignore[arg-type]
     identities = [peers.PeerIdentity("elsewhere", 1)] * world_size
-    return peers.Peers(comm, "test", identities)
+    return comm.watched("test", identities)
 
 
 def test_gloo_dispatchers_register_one_exit_wait(monkeypatch, registrations) -> None:

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_runtime.comm import Comm
+from ep_runtime.comm import PeerIdentity
 from ep_runtime.dispatch.base import Dispatcher, DispatchSetup, LayerIdentity, PeerSetup
-from ep_runtime.dispatch.peers import PeerIdentity
 from ep_runtime.dispatch.protocol import Phase
 from ep_runtime.dispatch.torch_a2a import TorchAllToAll
 from ep_runtime.dispatch.torch_symm_mem import TorchSymmMemDispatcher
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout
+from tests.comms import comm_without_group
 from tests.conftest import EXPECTED_SKIPS_WITH_CUDA
 from tests.multigpu import checks, dispatch_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
@@ -48,7 +48,7 @@ def _setup(
     cap: int = 6,
 ) -> DispatchSetup:
     return DispatchSetup(
-        comm=Comm(None, 0, world_size, torch.device(device)),
+        comm=comm_without_group(world_size, torch.device(device)),
         num_experts=8 * world_size,
         hidden_size=32,
         max_top_k=3,

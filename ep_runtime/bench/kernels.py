@@ -29,15 +29,10 @@ import torch
 
 from ep_runtime.bench.layer import Point, build_layer, inputs
 from ep_runtime.bench.timing import copy_rate_bytes_per_ms, device_activity, time_ms
-from ep_runtime.kernels import KERNELS_ENV, torch_ops
-from ep_runtime.kernels.layout import (
-    HEADER_INTS,
-    ChunkLayout,
-    Field,
-    RowFormat,
-    header_rows_for,
-    new_control,
-)
+from ep_runtime.kernels import TORCH_OPS, TRITON_OPS
+from ep_runtime.kernels.layout import ChunkLayout, RowFormat, header_rows_for
+from ep_runtime.kernels.ops import KERNELS_ENV
+from ep_runtime.kernels.wire import HEADER_INTS, Field, HeaderFields, new_control
 
 BF16 = torch.bfloat16
 
@@ -138,7 +133,7 @@ def route(ops, ids: torch.Tensor, shape: Shape, drop: bool):
         world_size=shape.world,
         drop_invalid=drop,
         control=new_control(ids.device),
-        fields=torch_ops.HeaderFields(0, 0x1234, 0, 1, shape.top_k, 1),
+        fields=HeaderFields(0, 0x1234, 0, 1, shape.top_k, 1),
         header_out=header,
     )
 
@@ -157,9 +152,7 @@ def received_rows(shape: Shape, row_format: RowFormat, device: torch.device) -> 
 
 def op_cases(shape: Shape, device: torch.device) -> list[OpCase]:
     """Every data-path op at ``shape``, its inputs built on ``device`` (CUDA)."""
-    from ep_runtime.kernels import triton_ops
-
-    impls = (triton_ops, torch_ops)
+    impls = (TRITON_OPS, TORCH_OPS)
     elem, (H, T, K) = BF16.itemsize, (shape.hidden, shape.tokens, shape.top_k)
     cases: list[OpCase] = []
 
@@ -173,7 +166,7 @@ def op_cases(shape: Shape, device: torch.device) -> list[OpCase]:
         run = tuple(partial(route, ops, ids, shape, drop) for ops in impls)
         fields = ("ids", "dest_slot", "token_of", "header")
         add("route_tokens", f"drop={drop}", run, results_equal(run, fields), 0)
-    plan = route(torch_ops, ids, shape, False)
+    plan = route(TORCH_OPS, ids, shape, False)
     counts = plan.header[:, Field.NUM_ROWS]
     rows_per_rank = counts.tolist()
 
@@ -220,7 +213,7 @@ def op_cases(shape: Shape, device: torch.device) -> list[OpCase]:
         moved = 2 * served * H * elem + num_recv * K * 8 + num_rows * 8
         add("group_rows", f"{variant} N={num_rows}", run, grouped_equal, moved)
 
-    grouped = torch_ops.group_rows(hidden, recv_ids, recv_weights, num_rows=served, **local)
+    grouped = TORCH_OPS.group_rows(hidden, recv_ids, recv_weights, num_rows=served, **local)
     num_grouped = grouped.hidden.size(0)
     h = torch.randn(num_grouped, 2 * shape.intermediate, device=device).to(BF16)  # [N, 2I]
     run = tuple(partial(ops.weighted_activation, h, grouped.weights, gated=True) for ops in impls)

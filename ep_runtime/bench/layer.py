@@ -20,7 +20,7 @@ import torch
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.bench.timing import copy_rate_bytes_per_ms, device_activity, time_ms
-from ep_runtime.kernels import group_rows, weighted_activation
+from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 BF16 = torch.bfloat16
@@ -117,7 +117,8 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         )
         layer_ms = time_ms(lambda: layer(x, ids, weights))
         activity = device_activity(lambda: layer(x, ids, weights))
-        grouped = group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
+        ops = resolve_ops(device)
+        grouped = ops.group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
             x,
             ids,
             weights,
@@ -127,7 +128,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         )
         experts = layer.experts
         rows, ends = grouped.hidden, grouped.offsets[1:]
-        activated = weighted_activation(
+        activated = ops.weighted_activation(
             torch._grouped_mm(rows, experts.w13_t, offs=ends), grouped.weights, gated=True
         )
 

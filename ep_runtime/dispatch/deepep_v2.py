@@ -35,18 +35,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ep_runtime.dispatch.base import (
-    DISPATCHERS,
-    Dispatcher,
-    DispatcherCapabilities,
-    DispatchSetup,
-    PeerSetup,
-)
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher
 from ep_runtime.dispatch.deepep_environment import default_num_sms, prepare_gin
 from ep_runtime.dispatch.nccl_probe import mapped_libnccl_paths, probe_library
-from ep_runtime.dispatch.protocol import Outcome
-from ep_runtime.kernels import HeaderFields
-from ep_runtime.kernels.layout import Field
+from ep_runtime.dispatch.protocol import Agreed
+from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
+from ep_runtime.kernels import Route
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 # JIT compilation on one rank's first call stalls the others: vLLM uses 1800 s for the same reason.
@@ -168,14 +162,12 @@ def next_power_of_two(value: int) -> int:
 
 
 @dataclass(frozen=True)
-class DeepEPPlan:
-    """This rank's rows, with ids cleaned by ``route_tokens``."""
+class DeepEPPacked:
+    """This rank's rows, with ids cleaned by the route."""
 
     x: torch.Tensor  # [T, H] bf16
     topk_ids: torch.Tensor  # [T, K] int32 global ids, -1 = unused (invalid ones dropped)
     topk_weights: torch.Tensor  # [T, K] float
-    top_k: int  # K of this rank's ids (its columns, also with no tokens)
-    header_pair: torch.Tensor  # [2, W, HEADER_INTS] int32: sent, received
 
 
 @dataclass(frozen=True)
@@ -187,7 +179,7 @@ class DeepEPHandle:
 
 
 @DISPATCHERS.register
-class DeepEPV2Dispatcher(Dispatcher):
+class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
     """DeepEP V2 ``ElasticBuffer``: NVLink within a node, GIN RDMA across nodes."""
 
     name = "deepep_v2"
@@ -242,8 +234,7 @@ class DeepEPV2Dispatcher(Dispatcher):
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
         super().__init__(setup, peer_setup)
         self.library = self.load_library()
-        self.num_local = self.placement.num_local_experts
-        self.local_offset = self.placement.local_expert_offset
+        self.local = self.placement.local
         exact = setup.mode is DispatchMode.EXACT
         cap = setup.max_tokens_per_rank
         self.buffer_tokens = cap if exact else next_power_of_two(cap)
@@ -268,32 +259,27 @@ class DeepEPV2Dispatcher(Dispatcher):
         atexit.register(self._destroy_buffer)
 
     # ----------------------------------------------------------------- dispatch
-    def _plan(
-        self,
-        x: torch.Tensor,  # [T, H]
-        topk_ids: torch.Tensor,  # [T, K]
-        topk_weights: torch.Tensor,  # [T, K]
-        fields: HeaderFields,
-    ) -> DeepEPPlan:
-        route, header_pair = self._route(topk_ids, fields)
-        return DeepEPPlan(x, route.ids, topk_weights, topk_ids.size(1), header_pair)
+    def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> DeepEPPacked:
+        return DeepEPPacked(x, route.ids, topk_weights)
 
-    def _send(self, plan: DeepEPPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:
+    def _exchange_dispatch(
+        self, packed: DeepEPPacked, agreed: Agreed, layout: TopkLayout
+    ) -> tuple[Dispatched, DeepEPHandle]:
         """Hand the rows to DeepEP: ids in ``topk_idx_t`` padded to the buffer's top-k with -1
         (one JIT variant), weights zero on unused slots, at least one row (DeepEP's own tests
         never dispatch zero tokens: an empty rank sends one row routed nowhere)."""
-        top_k = plan.top_k
-        if self.setup.mode is DispatchMode.EXACT and outcome.received is not None:
-            top_k = max(row[Field.TOP_K] for row in outcome.received) or top_k
-        num_tokens, own_k = plan.topk_ids.shape
-        num_rows, max_k, device = max(num_tokens, 1), self.setup.max_top_k, plan.x.device
+        top_k = agreed.top_k
+        num_tokens, own_k = packed.topk_ids.shape
+        num_rows, max_k, device = max(num_tokens, 1), self.setup.max_top_k, packed.x.device
         ids = torch.full((num_rows, max_k), -1, dtype=self.library.topk_idx_dtype, device=device)
-        ids[:num_tokens, :own_k] = plan.topk_ids
+        ids[:num_tokens, :own_k] = packed.topk_ids
         weights = torch.zeros(num_rows, max_k, dtype=torch.float32, device=device)
         weights[:num_tokens, :own_k] = torch.where(
-            plan.topk_ids >= 0, plan.topk_weights.float(), 0.0
+            packed.topk_ids >= 0, packed.topk_weights.float(), 0.0
         )
-        rows = plan.x.contiguous() if num_tokens else plan.x.new_zeros(1, self.setup.hidden_size)
+        rows = (
+            packed.x.contiguous() if num_tokens else packed.x.new_zeros(1, self.setup.hidden_size)
+        )
         recv_x, recv_ids, recv_weights, buffer_handle, _ = self.buffer.dispatch(
             rows,
             topk_idx=ids,
@@ -310,11 +296,11 @@ class DeepEPV2Dispatcher(Dispatcher):
             hidden, global_ids, row_weights = self._standard(
                 recv_x, recv_ids[:, :top_k], recv_weights[:, :top_k], buffer_handle
             )
-            return Dispatched(hidden, global_ids, row_weights, layout, None, handle)
+            return Dispatched(hidden, global_ids, row_weights, layout, None), handle
         hidden, global_ids, row_weights, offsets = self._expanded(
             recv_x, recv_weights, buffer_handle
         )
-        return Dispatched(hidden, global_ids, row_weights, layout, offsets, handle)
+        return Dispatched(hidden, global_ids, row_weights, layout, offsets), handle
 
     def _filler(self) -> float:
         return float("nan") if self.setup.poison else 0.0
@@ -331,9 +317,8 @@ class DeepEPV2Dispatcher(Dispatcher):
         num_rows = hidden.size(0)
         valid_rows = buffer_handle.psum_num_recv_tokens_per_scaleup_rank[-1]  # 0-d
         row_valid = torch.arange(num_rows, device=hidden.device) < valid_rows  # [R]
-        local = local_ids.to(torch.int64)
-        served = (local >= 0) & row_valid.unsqueeze(1)  # [R, K]
-        global_ids = torch.where(served, local + self.local_offset, -1).to(torch.int32)
+        served = (local_ids >= 0) & row_valid.unsqueeze(1)  # [R, K]
+        global_ids = self.local.to_global(local_ids, served)
         weights = torch.where(served, weights.float(), self._filler())
         if self.setup.poison:
             hidden = torch.where(row_valid.unsqueeze(1), hidden, float("nan"))
@@ -355,7 +340,7 @@ class DeepEPV2Dispatcher(Dispatcher):
         rows = torch.arange(hidden.size(0), device=hidden.device)
         expert = torch.searchsorted(starts, rows, right=True) - 1  # [N] in [0, L)
         valid = rows < psum[expert]  # past a group's count: alignment padding or unused rows
-        ids = torch.where(valid, expert + self.local_offset, -1).to(torch.int32)
+        ids = self.local.to_global(expert, valid)
         weights = torch.where(valid, weights.float(), self._filler())
         if self.setup.poison:
             hidden = torch.where(valid.unsqueeze(1), hidden, float("nan"))
@@ -363,23 +348,25 @@ class DeepEPV2Dispatcher(Dispatcher):
         return hidden, ids.unsqueeze(1), weights.unsqueeze(1), offsets
 
     # ----------------------------------------------------------------- combine
-    def _return(
+    def _exchange_combine(
         self,
         expert_output: torch.Tensor | None,  # [R, H]
         dispatched: Dispatched,
         handle: DeepEPHandle,
-        status_header: torch.Tensor,  # [HEADER_INTS] int32
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        status: torch.Tensor | None,  # [HEADER_INTS] int32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """DeepEP's combine (an unweighted bf16 sum: the experts applied the router weights),
         then every rank's status in a ``[W, HEADER_INTS]`` all-to-all."""
         if expert_output is None:
             expert_output = torch.zeros_like(dispatched.hidden_states)
         combined, _, _ = self.buffer.combine(expert_output.contiguous(), handle.buffer_handle)
-        world = self.comm.world_size
-        statuses = self.peers.all_to_all(status_header.expand(world, -1).contiguous())
-        return combined[: handle.num_tokens], statuses  # [T, H], [W, HEADER_INTS]
+        combined = combined[: handle.num_tokens]  # [T, H]
+        if status is None:
+            return combined, None
+        statuses = self.comm.all_to_all(status.expand(self.comm.world_size, -1).contiguous())
+        return combined, statuses  # [W, HEADER_INTS]
 
-    def _finish(
+    def _reduce(
         self,
         combined: torch.Tensor,  # [T, H]
         handle: DeepEPHandle,

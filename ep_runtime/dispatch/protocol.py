@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ep_runtime.dispatch.peers import Peers
-from ep_runtime.kernels import record_headers
-from ep_runtime.kernels.layout import HEADER_INTS, Control, Field, new_control
-from ep_runtime.kernels.torch_ops import HeaderFields
+from ep_runtime.comm import Comm
+from ep_runtime.kernels import KernelOps
+from ep_runtime.kernels.wire import HEADER_INTS, Control, Field, HeaderFields, new_control
 from ep_runtime.types import EPInputError, ForwardMismatchError, RemoteRankError
+from ep_runtime.validation import check_topk_id_values
 
 
 class ForwardStatus(enum.IntEnum):
@@ -55,22 +55,59 @@ class Phase(enum.IntEnum):
     COMBINE = 2
 
 
+@dataclass(frozen=True)
+class LayerIdentity:
+    """Which layer a forward belongs to, carried in every header."""
+
+    fingerprint: int  # of the layer's settings, agreed by all ranks at build
+    index: int  # the layer's number on its dispatcher (same on every rank)
+
+
 def fingerprint_of(settings: dict[str, object]) -> int:
     """A 31-bit hash of a layer's settings (stable across processes, unlike ``hash``)."""
     text = ";".join(f"{key}={settings[key]}" for key in sorted(settings))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-@dataclass
+@dataclass(frozen=True)
+class Checks:
+    """How a dispatcher's forwards are checked; decided once (``DispatchSetup.checks``)."""
+
+    on_device: bool  # capacity mode on CUDA: recorded on the device, raised by check()
+    peers: bool  # other ranks take part (a world of one has no headers to agree on)
+    exact: bool  # exact mode: buffers sized from the headers where they are read on the host
+
+
+@dataclass(frozen=True)
+class ExactSizes:
+    """Per-peer counts read from the headers on the host (exact mode with peers)."""
+
+    send_rows: list[int]  # [W] token rows this rank sends each peer
+    recv_rows: list[int]  # [W] token rows each peer sends this rank
+    served_slots: int  # (token, slot) pairs among the received rows that this rank serves
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the dispatch header exchange settled, as a transport uses it."""
+
+    top_k: int  # the K of the ids that arrive: this rank's, or the highest any rank sent
+    num_chunks: int  # rounds of this forward (exact mode: the most any rank needs)
+    sent_rows: torch.Tensor  # [W] int32 on the device: token rows sent to each peer
+    received_rows: torch.Tensor  # [W] int32 on the device: token rows from each peer
+    sizes: ExactSizes | None  # None: static sizes (capacity mode, or nothing read on the host)
+    failed: torch.Tensor | None  # device checks: 0-d int32, nonzero = this forward failed
+
+
+@dataclass(frozen=True)
 class Outcome:
-    """What a header check found: the error every rank raises (after the collectives of the
-    phase are done), the forward's chunk count, or (device mode) the failure flag."""
+    """A phase's verdict: the error every rank raises (after the phase's collectives), what
+    the dispatch agreed, and an error only the end of the forward can tell (a world of one)."""
 
     error: BaseException | None = None
-    num_chunks: int = 1
-    failed: torch.Tensor | None = None  # 0-d int32 on the device: nonzero = this forward failed
-    sent: list[list[int]] | None = None  # [W][HEADER_INTS] headers sent, where read on the host
-    received: list[list[int]] | None = None  # [W][HEADER_INTS] headers received, likewise
+    agreed: Agreed | None = None  # dispatch: None when the forward failed (host checks)
+    failed: torch.Tensor | None = None  # combine, device checks: as ``Agreed.failed``
+    late_error: Callable[[], BaseException | None] | None = None
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -80,79 +117,83 @@ class Outcome:
 class ForwardProtocol:
     """Forward numbering and header checks for one dispatcher (shared by its layers)."""
 
-    def __init__(self, peers: Peers, device: torch.device, *, checks_on_device: bool) -> None:
-        self.peers = peers
-        self.rank = peers.comm.rank
-        self.world_size = peers.comm.world_size
-        self.checks_on_device = checks_on_device
+    def __init__(self, comm: Comm, ops: KernelOps, device: torch.device, checks: Checks) -> None:
+        self.comm = comm
+        self.ops = ops
+        self.rank = comm.rank
+        self.checks = checks
         self.control = new_control(device)  # [CONTROL_INTS] int32
         # invalid ids: where headers are read on the host, they fail the forward through the
         # header's status (every rank raises); on the device they are dropped and counted
-        self.invalid_ids_status = 0 if checks_on_device else int(ForwardStatus.INPUT_ERROR)
+        self.invalid_ids_status = 0 if checks.on_device else int(ForwardStatus.INPUT_ERROR)
         self._combine_headers: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    def dispatch_fields(
-        self, status: ForwardStatus, fingerprint: int, layer: int, top_k: int, num_chunks: int
-    ) -> HeaderFields:
-        return HeaderFields(int(status), fingerprint, layer, int(Phase.DISPATCH), top_k, num_chunks)
+    def raise_if_alone(self, failure: BaseException) -> None:
+        """A rank that failed before dispatch takes part so its peers learn it; alone, it
+        raises at once."""
+        if not self.checks.peers:
+            raise failure
 
-    def combine_header(self, status: ForwardStatus, fingerprint: int, layer: int) -> torch.Tensor:
-        """``[HEADER_INTS]`` int32 on the device (cached: no kernel per forward)."""
-        key = (int(status), fingerprint, layer)
+    def dispatch_fields(
+        self, status: ForwardStatus, layer: LayerIdentity, top_k: int, num_chunks: int
+    ) -> HeaderFields:
+        phase = int(Phase.DISPATCH)
+        return HeaderFields(int(status), layer.fingerprint, layer.index, phase, top_k, num_chunks)
+
+    def status_to_carry(self, status: ForwardStatus, layer: LayerIdentity) -> torch.Tensor | None:
+        """``[HEADER_INTS]`` int32 on the device: this rank's combine status for every peer
+        (cached: no kernel per forward); None when no peer needs it."""
+        if not self.checks.peers:
+            return None
+        key = (int(status), layer.fingerprint, layer.index)
         header = self._combine_headers.get(key)
         if header is None:
             values = [0] * HEADER_INTS
             values[Field.STATUS] = int(status)
-            values[Field.FINGERPRINT] = fingerprint
-            values[Field.LAYER] = layer
+            values[Field.FINGERPRINT] = layer.fingerprint
+            values[Field.LAYER] = layer.index
             values[Field.PHASE] = int(Phase.COMBINE)
             header = torch.tensor(values, dtype=torch.int32, device=self.control.device)
             self._combine_headers[key] = header
         return header
 
     # ----------------------------------------------------------------- checks
-    def check(
+    def check_dispatch(
         self,
-        header_pair: torch.Tensor | None,  # [2, W, HEADER_INTS]: sent and received (dispatch)
+        header_pair: torch.Tensor,  # [2, W, HEADER_INTS]: sent, and where received ones land
         received: torch.Tensor,  # [W, HEADER_INTS] int32: the header from each rank
-        phase: Phase,
         own_error: BaseException | None,
-        top_k: int,  # this rank's K (0: no tokens); ignored for the combine
-        explain: Callable[[], BaseException] | None = None,
-        num_chunks: int = 1,  # this rank's chunk count (dispatch)
+        top_k: int,  # this rank's K (0: no tokens)
+        columns: int,  # the columns of this rank's ids (its K, also with no tokens)
+        num_chunks: int,  # this rank's chunk count
+        explain: Callable[[], BaseException],  # this rank's error when its header says bad ids
     ) -> Outcome:
-        """Check the headers of one phase; every rank reaches the same verdict. Where headers
-        are read on the host, the outcome carries them (exact mode sizes its buffers from them).
-        ``explain``: this rank's error when its own header says its input was bad (the route
-        found invalid ids on the device)."""
-        if self.checks_on_device:
-            if self.world_size > 1:
-                record_headers(
-                    received,
-                    self.control,
-                    rank=self.rank,
-                    phase=int(phase),
-                    top_k=top_k,
-                    mismatch_status=int(ForwardStatus.MISMATCH),
-                )
-            return Outcome(error=own_error, failed=self.control[Control.FORWARD_FAILED])
-        if self.world_size == 1:  # no peers to agree with; the route's verdict: own_status_error
-            return Outcome(error=own_error, num_chunks=num_chunks)
-        if header_pair is not None:
-            sent, headers = self.peers.to_host(header_pair)
-        else:
-            sent, headers = None, self.peers.to_host(received)
+        """Every rank reaches the same verdict on the dispatch headers."""
+        sent_rows, received_rows = header_pair[0, :, Field.NUM_ROWS], received[:, Field.NUM_ROWS]
+
+        def agreed(top_k: int, chunks: int, sizes: ExactSizes | None = None) -> Agreed:
+            failed = self.control[Control.FORWARD_FAILED] if self.checks.on_device else None
+            return Agreed(top_k, chunks, sent_rows, received_rows, sizes, failed)
+
+        if self.checks.on_device:
+            self._record(received, Phase.DISPATCH, top_k)
+            return Outcome(error=own_error, agreed=agreed(columns, 1))
+        if not self.checks.peers:  # the route's verdict on this rank's ids, read at the end
+            sent = header_pair[0, 0]
+
+            def late_error() -> BaseException | None:
+                return explain() if int(sent[Field.STATUS]) else None
+
+            return Outcome(own_error, agreed(columns, num_chunks), late_error=late_error)
+        sent, headers = self.comm.to_host(header_pair)
         statuses = [row[Field.STATUS] for row in headers]
-        if own_error is None and statuses[self.rank] and explain is not None:
+        if own_error is None and statuses[self.rank]:
             own_error = explain()
         if any(statuses):
             return Outcome(error=self._failure(statuses, own_error))
-        mismatch = self._mismatch(headers, phase)
+        mismatch = self._mismatch(headers, Phase.DISPATCH)
         if mismatch is not None:
-            self.control[Control.SEQ] = max(row[Field.SEQ] for row in headers) + 1
             return Outcome(error=mismatch)
-        if phase is Phase.COMBINE:
-            return Outcome()
         ks = [row[Field.TOP_K] for row in headers]
         if len({k for k in (*ks, top_k) if k}) > 1:
             error = EPInputError(
@@ -160,22 +201,49 @@ class ForwardProtocol:
             )
             return Outcome(error=error)
         chunks = max(row[Field.NUM_CHUNKS] for row in headers)
-        return Outcome(num_chunks=chunks, sent=sent, received=headers)
+        if not self.checks.exact:
+            return Outcome(agreed=agreed(columns, chunks))
+        sizes = ExactSizes(
+            send_rows=[row[Field.NUM_ROWS] for row in sent],
+            recv_rows=[row[Field.NUM_ROWS] for row in headers],
+            served_slots=sum(row[Field.NUM_SLOTS] for row in headers),
+        )
+        return Outcome(agreed=agreed(max(ks) or columns, chunks, sizes))
 
-    def own_status_error(
-        self, sent_header: torch.Tensor, explain: Callable[[], BaseException]
-    ) -> BaseException | None:
-        """A world of one reads nothing mid-forward: the status the route gave this rank's
-        header (bad ids) is read once, at the end of the forward (one host sync)."""
-        if self.checks_on_device or not int(sent_header[Field.STATUS]):
-            return None
-        return explain()
+    def check_combine(
+        self,
+        statuses: torch.Tensor | None,  # [W, HEADER_INTS] int32; None where none was carried
+        own_error: BaseException | None,
+    ) -> Outcome:
+        """Every rank reaches the same verdict on the combine statuses."""
+        if self.checks.on_device:
+            if statuses is not None:
+                self._record(statuses, Phase.COMBINE, 0)
+            return Outcome(error=own_error, failed=self.control[Control.FORWARD_FAILED])
+        if statuses is None:
+            return Outcome(error=own_error)
+        headers = self.comm.to_host(statuses)
+        codes = [row[Field.STATUS] for row in headers]
+        if any(codes):
+            return Outcome(error=self._failure(codes, own_error))
+        return Outcome(error=self._mismatch(headers, Phase.COMBINE))
+
+    def _record(self, received: torch.Tensor, phase: Phase, top_k: int) -> None:
+        if self.checks.peers:
+            self.ops.record_headers(
+                received,
+                self.control,
+                rank=self.rank,
+                phase=int(phase),
+                top_k=top_k,
+                mismatch_status=int(ForwardStatus.MISMATCH),
+            )
 
     def _failure(self, statuses: list[int], own_error: BaseException | None) -> BaseException:
         """Every rank gathers the failures' messages (one more collective, on this path only);
         the failing rank raises its own error, the others a ``RemoteRankError`` naming it."""
         message = None if own_error is None else f"{type(own_error).__name__}: {own_error}"
-        messages = self.peers.all_gather_object(message)
+        messages = self.comm.all_gather_object(message)
         if own_error is not None:
             return own_error
         failed = next(rank for rank, status in enumerate(statuses) if status)
@@ -199,6 +267,7 @@ class ForwardProtocol:
                 )
         if not differing:
             return None
+        self.control[Control.SEQ] = max(row[Field.SEQ] for row in headers) + 1
         here = (
             f"rank {self.rank} is in {phase.name.lower()} of forward #{own[Field.SEQ]} "
             f"of layer {own[Field.LAYER]} (settings {own[Field.FINGERPRINT]:#x})"
@@ -233,3 +302,12 @@ class Recorded:
         if self.status:
             reason = f"{self.status.name} in forward #{self.seq} (recorded on the device)"
             raise RemoteRankError(self.rank, reason)
+
+
+def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException:
+    """The error for ids the route found invalid on the device (read here on the error path)."""
+    try:
+        check_topk_id_values(topk_ids, num_experts)
+    except EPInputError as error:
+        return error
+    return EPInputError("topk_ids", f"values in [0, {num_experts}) or -1, distinct", "invalid")

@@ -10,40 +10,28 @@ rank order (no atomics: two runs are bitwise equal).
 
 exact: chunks are sized from the headers (one host read per forward, plus one for the combine
 statuses); capacity: every chunk holds ``cap`` token rows, nothing is read on the host on CUDA.
+Alone (a world of one) nothing is exchanged: the buffers have their static sizes and no status
+travels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ep_runtime.dispatch.base import Dispatcher, DispatchSetup, PeerSetup
-from ep_runtime.dispatch.protocol import Outcome, Phase
-from ep_runtime.kernels import (
-    HeaderFields,
-    Route,
-    group_rows,
-    local_ids,
-    pack_rows,
-    read_chunk_headers,
-    sum_rows,
-    write_chunk_headers,
-)
-from ep_runtime.kernels.layout import (
-    ChunkLayout,
-    Field,
-    RowFormat,
-    header_rows_for,
-)
+from ep_runtime.dispatch.base import Dispatcher
+from ep_runtime.dispatch.protocol import Agreed, Phase
+from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
+from ep_runtime.kernels import Route
+from ep_runtime.kernels.layout import ChunkLayout, RowFormat, header_rows_for
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    top_k: int  # K of this rank's ids
+class RowPacked:
     route: Route
-    header_pair: torch.Tensor  # [2, W, HEADER_INTS] int32: sent, received
     send: torch.Tensor  # [S_max, row_bytes] uint8, packed
 
 
@@ -60,8 +48,8 @@ class RowHandle:
     grouped_positions: torch.Tensor | None  # [R, K] int32 grouped row of each (row, slot)
 
 
-class RowDispatcher(Dispatcher):
-    """Packed rows over ``peers.all_to_all``. A subclass may move the bytes another way
+class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
+    """Packed rows over ``comm.all_to_all``. A subclass may move the bytes another way
     (``_exchange``), from buffers of its own (``_new_buffer``), and choose the chunk layout
     (``chunks``): exact mode sizes buffers from the headers, capacity mode from the cap."""
 
@@ -70,78 +58,71 @@ class RowDispatcher(Dispatcher):
         self.row_format = RowFormat(setup.hidden_size, setup.dtype, setup.max_top_k)
         capacity = None if setup.mode is DispatchMode.EXACT else setup.max_tokens_per_rank
         self.chunks = ChunkLayout(header_rows_for(setup.hidden_size, setup.dtype), capacity)
-        self.num_local = self.placement.num_local_experts
-        self.local_offset = self.placement.local_expert_offset
+        self.local = self.placement.local
 
     # ----------------------------------------------------------------- dispatch
-    def _plan(self, x, topk_ids, topk_weights, fields: HeaderFields) -> RowPlan:
-        """Route and pack before the header exchange (nothing here waits for the host): the
-        send buffer has room for the most rows this rank can send; rows past its chunks are
-        filler (ids -1)."""
-        world = self.comm.world_size
-        route, header_pair = self._route(topk_ids, fields)
-        top_k = topk_ids.size(1)
+    def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> RowPacked:
+        """The send buffer has room for the most rows this rank can send; rows past its chunks
+        are filler (ids -1)."""
+        world, top_k = self.comm.world_size, route.ids.size(1)
         if self.setup.mode is DispatchMode.EXACT:
             bound = world * self.chunks.header_rows + x.size(0) * min(top_k, world)
         else:
             bound = world * (self.chunks.header_rows + self.setup.max_tokens_per_rank)
         send = self._new_buffer(Phase.DISPATCH, bound)
-        pack_rows(
+        self.ops.pack_rows(
             x, topk_weights, route, send, self.row_format, self.chunks, poison=self.setup.poison
         )
-        return RowPlan(top_k, route, header_pair, send)
+        return RowPacked(route, send)
 
-    def _send(self, plan: RowPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:
-        world, chunks = self.comm.world_size, self.chunks
-        sent_rows = plan.header_pair[0, :, Field.NUM_ROWS]
-        received_rows = plan.header_pair[1 if world > 1 else 0, :, Field.NUM_ROWS]
-        send = plan.send
+    def _exchange_dispatch(
+        self, packed: RowPacked, agreed: Agreed, layout: TopkLayout
+    ) -> tuple[Dispatched, RowHandle]:
+        send, top_k = packed.send, agreed.top_k
         send_splits = recv_splits = None
-        top_k = plan.top_k
-        if outcome.sent is not None and self.setup.mode is DispatchMode.EXACT:
-            assert outcome.received is not None  # exact sizes, read from the headers
-            send_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.sent])
-            recv_splits = chunks.chunk_rows([row[Field.NUM_ROWS] for row in outcome.received])
-            top_k = max(row[Field.TOP_K] for row in outcome.received) or top_k
-            grouped_rows = sum(row[Field.NUM_SLOTS] for row in outcome.received)
+        if agreed.sizes is not None:  # exact sizes, read from the headers
+            send_splits = self.chunks.chunk_rows(agreed.sizes.send_rows)
+            recv_splits = self.chunks.chunk_rows(agreed.sizes.recv_rows)
+            grouped_rows = agreed.sizes.served_slots
             send, recv_total = send[: sum(send_splits)], sum(recv_splits)
-        else:  # static sizes: capacity mode, or a world of one (nothing to exchange)
+        else:  # static sizes: as many rows as were sent
             recv_total = send.size(0)
-            grouped_rows = recv_total * min(top_k, self.num_local)
-        recv = self._exchange(Phase.DISPATCH, send, sent_rows, send_splits, recv_splits)
+            grouped_rows = recv_total * min(top_k, self.local.count)
+        recv = self._exchange(Phase.DISPATCH, send, agreed.sent_rows, send_splits, recv_splits)
         hidden = self.row_format.hidden(recv)  # [R, H] views into the received bytes
         ids = self.row_format.ids(recv, top_k)
         weights = self.row_format.weights(recv, top_k)
-        handle_fields = dict(
-            route=plan.route,
-            sent_rows=sent_rows,
-            received_rows=received_rows,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            recv_total=recv_total,
+        handle = RowHandle(
+            packed.route,
+            agreed.sent_rows,
+            agreed.received_rows,
+            send_splits,
+            recv_splits,
+            recv_total,
+            grouped_positions=None,
         )
         if layout is TopkLayout.STANDARD:
-            served = local_ids(ids, local_offset=self.local_offset, num_local=self.num_local)
-            handle = RowHandle(grouped_positions=None, **handle_fields)
-            return Dispatched(hidden, served, weights, layout, None, handle)
-        grouped = group_rows(
+            served = self.ops.local_ids(
+                ids, local_offset=self.local.offset, num_local=self.local.count
+            )
+            return Dispatched(hidden, served, weights, layout, None), handle
+        grouped = self.ops.group_rows(
             hidden,
             ids,
             weights,
-            local_offset=self.local_offset,
-            num_local=self.num_local,
+            local_offset=self.local.offset,
+            num_local=self.local.count,
             num_rows=grouped_rows,
             poison=self.setup.poison,
         )
-        handle = RowHandle(grouped_positions=grouped.positions, **handle_fields)
-        return Dispatched(
+        dispatched = Dispatched(
             grouped.hidden,
             grouped.ids.unsqueeze(1),
             grouped.weights.unsqueeze(1),
             layout,
             grouped.offsets,
-            handle,
         )
+        return dispatched, dataclasses.replace(handle, grouped_positions=grouped.positions)
 
     def _new_buffer(self, phase: Phase, rows: int) -> torch.Tensor:
         """A send buffer of ``rows`` rows, every one of which the caller writes: dispatch
@@ -160,39 +141,41 @@ class RowDispatcher(Dispatcher):
         recv_splits: list[int] | None,  # exact mode: rows of each receive chunk
     ) -> torch.Tensor:
         """Move the chunks of one phase; returns the received chunks."""
-        return self.peers.all_to_all(send, send_splits=send_splits, recv_splits=recv_splits)
+        return self.comm.all_to_all(send, send_splits=send_splits, recv_splits=recv_splits)
 
     # ----------------------------------------------------------------- combine
-    def _return(
+    def _exchange_combine(
         self,
         expert_output: torch.Tensor | None,
         dispatched: Dispatched,
         handle: RowHandle,
-        status_header: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        status: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pre-reduce, then send each received row's result back to its source, the status
+        in every chunk's header."""
         if expert_output is None:
             back = self._new_buffer(Phase.COMBINE, handle.recv_total).zero_()
         elif handle.grouped_positions is None:  # STANDARD: one result row per received row
             back = expert_output.contiguous()
         else:  # EXPANDED: pre-reduce each received row's local results in fp32
             back = self._new_buffer(Phase.COMBINE, handle.recv_total)
-            sum_rows(expert_output, handle.grouped_positions, back)
-        if self.comm.world_size == 1:
-            return back, status_header.unsqueeze(0)
-        write_chunk_headers(back, status_header, handle.received_rows, self.chunks)
+            self.ops.sum_rows(expert_output, handle.grouped_positions, back)
+        if status is None:  # no peer takes part: the results are already where they sum
+            return back, None
+        self.ops.write_chunk_headers(back, status, handle.received_rows, self.chunks)
         returned = self._exchange(
             Phase.COMBINE, back, handle.received_rows, handle.recv_splits, handle.send_splits
         )
-        return returned, read_chunk_headers(returned, handle.sent_rows, self.chunks)
+        return returned, self.ops.read_chunk_headers(returned, handle.sent_rows, self.chunks)
 
-    def _finish(
+    def _reduce(
         self,
         returned: torch.Tensor,
         handle: RowHandle,
         out: torch.Tensor | None,
         failed: torch.Tensor | None,
     ) -> torch.Tensor:
-        return sum_rows(
+        return self.ops.sum_rows(
             returned,
             handle.route.dest_slot,
             out,

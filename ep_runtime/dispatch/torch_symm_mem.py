@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.comm import Comm
-from ep_runtime.dispatch.base import DISPATCHERS, DispatcherCapabilities, DispatchSetup, PeerSetup
-from ep_runtime.dispatch.protocol import Outcome, Phase
-from ep_runtime.dispatch.rows import RowDispatcher, RowHandle, RowPlan
-from ep_runtime.kernels import HeaderFields
+from ep_runtime.dispatch.base import DISPATCHERS
+from ep_runtime.dispatch.protocol import Agreed, Phase
+from ep_runtime.dispatch.rows import RowDispatcher, RowHandle, RowPacked
+from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
+from ep_runtime.kernels import Route
 from ep_runtime.kernels.layout import ChunkLayout
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout
 
@@ -173,7 +174,7 @@ class TorchSymmMemDispatcher(RowDispatcher):
         return row
 
     # ----------------------------------------------------------------- the steps that differ
-    def _plan(self, x, topk_ids, topk_weights, fields: HeaderFields) -> RowPlan:
+    def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> RowPacked:
         """The buffers hold one forward and at most ``cap`` rows per rank (the layer chunks
         longer inputs and always combines before the next dispatch)."""
         if self._awaiting_combine:
@@ -184,22 +185,24 @@ class TorchSymmMemDispatcher(RowDispatcher):
         cap = self.setup.max_tokens_per_rank
         if x.size(0) > cap:
             raise EPInputError("x", f"at most max_tokens_per_rank={cap} rows", x.size(0))
-        return super()._plan(x, topk_ids, topk_weights, fields)
+        return super()._pack(x, topk_weights, route)
 
-    def _send(self, plan: RowPlan, layout: TopkLayout, outcome: Outcome) -> Dispatched:
-        dispatched = super()._send(plan, layout, outcome)
+    def _exchange_dispatch(
+        self, packed: RowPacked, agreed: Agreed, layout: TopkLayout
+    ) -> tuple[Dispatched, RowHandle]:
+        sent = super()._exchange_dispatch(packed, agreed, layout)
         self._awaiting_combine = True
-        return dispatched
+        return sent
 
-    def _return(
+    def _exchange_combine(
         self,
         expert_output: torch.Tensor | None,
         dispatched: Dispatched,
         handle: RowHandle,
-        status_header: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        status: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._awaiting_combine = False
-        return super()._return(expert_output, dispatched, handle, status_header)
+        return super()._exchange_combine(expert_output, dispatched, handle, status)
 
     def _new_buffer(self, phase: Phase, rows: int) -> torch.Tensor:
         """The phase's symmetric send buffer: the op reads the rows from where they are packed."""

@@ -28,14 +28,19 @@ def flashinfer_missing_reason() -> str | None:
 
 def kernel_routing(dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, weights)`` as the kernels take them: ``[R, K']`` contiguous int32 global ids
-    (cast here, at the boundary: ids may arrive int64) and ``[R, K']`` contiguous fp32 weights
-    with exact zeros on -1 slots.
+    (int32 is the dispatch contract, checked here, not cast) and ``[R, K']`` contiguous fp32
+    weights with exact zeros on -1 slots.
 
     The kernels skip -1 slots today (TRTLLM finalize: ``permutedIdx == -1``; CUTLASS: ids out of
     the local range); zeroing their weights costs one elementwise op and keeps NaN out of the
     output whatever a kernel version does with them.
     """
-    ids = dispatched.topk_ids.to(torch.int32).contiguous()
+    if dispatched.topk_ids.dtype != torch.int32:
+        raise TypeError(
+            f"Dispatched.topk_ids must be int32 (the dispatch contract), got "
+            f"{dispatched.topk_ids.dtype}"
+        )
+    ids = dispatched.topk_ids.contiguous()
     weights = torch.where(ids >= 0, dispatched.topk_weights.float(), 0.0).contiguous()
     return ids, weights
 

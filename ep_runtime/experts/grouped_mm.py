@@ -18,7 +18,7 @@ from ep_runtime.experts.base import (
     ExpertsSetup,
     cuda_arch,
 )
-from ep_runtime.kernels import group_rows, sum_rows, weighted_activation
+from ep_runtime.kernels import resolve_ops
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 STRIDE_ALIGNMENT_BYTES = 16  # _grouped_mm needs every stride a multiple of 16 bytes
@@ -56,6 +56,10 @@ class GroupedMMExperts(Experts):
                 return f"{name}={size} is not a multiple of {multiple} (16-byte strides)"
         return None
 
+    def __init__(self, setup: ExpertsSetup) -> None:
+        super().__init__(setup)
+        self.ops = resolve_ops(setup.device)
+
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         # _grouped_mm multiplies [N, K] by [G, K, N']: keep transposed views of the weights.
         self.w13_t = w13.transpose(1, 2)  # [L, H, 2I | I]
@@ -70,7 +74,7 @@ class GroupedMMExperts(Experts):
         hidden = dispatched.hidden_states  # [R, H]
         num_rows, top_k = dispatched.topk_ids.shape
         num_local = self.placement.num_local_experts
-        grouped = group_rows(
+        grouped = self.ops.group_rows(
             hidden,
             dispatched.topk_ids,
             dispatched.topk_weights,
@@ -79,7 +83,7 @@ class GroupedMMExperts(Experts):
             num_rows=num_rows * min(top_k, num_local),
         )
         results = self.grouped(grouped.hidden, grouped.weights, grouped.offsets)
-        return sum_rows(results, grouped.positions)  # [R, H]
+        return self.ops.sum_rows(results, grouped.positions)  # [R, H]
 
     def grouped(
         self,
@@ -92,5 +96,7 @@ class GroupedMMExperts(Experts):
             return rows.new_zeros(0, rows.size(1))
         ends = offsets[1:]
         h = torch._grouped_mm(rows, self.w13_t, offs=ends)  # [N, 2I | I]
-        activated = weighted_activation(h, weights, gated=self.activation.is_gated)  # [N, I]
+        activated = self.ops.weighted_activation(
+            h, weights, gated=self.activation.is_gated
+        )  # [N, I]
         return torch._grouped_mm(activated, self.w2_t, offs=ends)  # [N, H]

@@ -81,7 +81,7 @@ class ReferenceExperts(Experts):
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden = dispatched.hidden_states  # [R, H]
         num_rows, top_k = dispatched.topk_ids.shape
-        local = self.placement.local_index(dispatched.topk_ids)  # [R, K'] in [0, L]
+        local = self.placement.local.index(dispatched.topk_ids)  # [R, K'] in [0, L]
         per_slot = torch.zeros(
             num_rows, top_k, hidden.size(1), dtype=torch.float32, device=hidden.device
         )

@@ -1,5 +1,5 @@
-"""The shapes the data-path ops agree on: the packed row, the per-peer chunk, the forward header,
-and the control block a dispatcher keeps on its device.
+"""The shapes the row transport's ops agree on: the packed row and the per-peer chunk (the
+forward header and the control block are ``wire.py``'s).
 
 A packed row is ``hidden | ids int32 [K_max] | weights fp32 [K_max]``; a token travels once to
 each rank owning at least one of its experts. Every all-to-all buffer (dispatch and combine, both
@@ -10,46 +10,11 @@ received row's index is the index of its pre-reduced result in the combine send 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
-HEADER_INTS = 16  # int32 fields of a forward header; 64 bytes
-HEADER_BYTES = 4 * HEADER_INTS
-
-
-class Field(enum.IntEnum):
-    """Columns of a forward header (one ``[HEADER_INTS]`` int32 row per (source, destination))."""
-
-    STATUS = 0  # ForwardStatus of the source
-    SEQ = 1  # the source's forward counter (per dispatcher)
-    FINGERPRINT = 2  # hash of the layer's settings, agreed when it was built
-    LAYER = 3  # index of the layer on its dispatcher
-    PHASE = 4  # Phase: which collective of the forward this is
-    TOP_K = 5  # K in force at the source (0: a rank with no tokens agrees with any K)
-    NUM_CHUNKS = 6  # exact mode: rounds the source needs for its tokens
-    NUM_ROWS = 7  # token rows the source sends to this destination
-    NUM_SLOTS = 8  # (token, slot) pairs among those rows that this destination serves
-
-
-class Control(enum.IntEnum):
-    """Entries of a dispatcher's control block: an int32 tensor on its device, updated by the
-    data-path ops without a host sync (so capacity mode stays capturable in a CUDA graph)."""
-
-    SEQ = 0  # the next forward's number
-    BAD_IDS = 1  # ids dropped since the last check (out of range, or repeated in a row)
-    FAILED_STATUS = 2  # worst ForwardStatus recorded since the last check, 0 = none
-    FAILED_RANK = 3  # the first rank that recorded it
-    FAILED_SEQ = 4  # that rank's forward number
-    FORWARD_FAILED = 5  # 1 while the current forward has seen a failure
-
-
-CONTROL_INTS = 8
-
-
-def new_control(device: torch.device) -> torch.Tensor:
-    return torch.zeros(CONTROL_INTS, dtype=torch.int32, device=device)
+from ep_runtime.kernels.wire import HEADER_BYTES
 
 
 def _align(num_bytes: int, alignment: int) -> int:
@@ -122,3 +87,13 @@ class ChunkLayout:
 def header_rows_for(hidden_size: int, dtype: torch.dtype) -> int:
     """Header rows per chunk: enough ``[H]`` rows of ``dtype`` to hold a header."""
     return -(-HEADER_BYTES // (hidden_size * dtype.itemsize))
+
+
+def chunk_starts(rows: torch.Tensor, chunks: ChunkLayout) -> torch.Tensor:
+    """``[W]`` int64 first row (header) of each peer's chunk, for per-peer token counts ``rows``."""
+    world = rows.numel()
+    if chunks.capacity is not None:
+        stride = chunks.header_rows + chunks.capacity
+        return torch.arange(world, dtype=torch.int64, device=rows.device) * stride
+    sizes = rows.to(torch.int64) + chunks.header_rows
+    return sizes.cumsum(0) - sizes

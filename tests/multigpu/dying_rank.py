@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ep_runtime.launch.network import apply_interface_defaults
+from ep_runtime.launch.rendezvous import LOOPBACK, join_store
 from tests.multigpu.rank_inputs import CaseSpec, build_layer, make_inputs
 
 SCENARIOS = ("raise_before", "raise_inside", "kill_before", "kill_inside")
@@ -35,7 +37,8 @@ def main() -> None:
     for name in ("scenario", "mode", "layout"):
         parser.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
-    store = dist.TCPStore("127.0.0.1", args.port, args.world + 1, is_master=False)
+    store = join_store(LOOPBACK, args.port, args.world + 1, 60)
+    apply_interface_defaults(LOOPBACK)  # gloo on loopback, as the store
     dist.init_process_group(
         "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=60)
     )

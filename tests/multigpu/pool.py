@@ -8,6 +8,7 @@ the pool down so the next case gets a fresh one. Nothing waits forever.
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import time
@@ -26,6 +27,14 @@ from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 
 # collective timeout; raise it where first-use JIT (DeepEP) stalls a rank for longer
 GROUP_TIMEOUT_S = float(os.environ.get("EP_TEST_GROUP_TIMEOUT_S", "20"))
+BACKEND_MODULES_ENV = "EP_TEST_BACKEND_MODULES"  # modules registering test-defined backends
+
+
+def import_test_backends() -> None:
+    """Register the backends of the modules ``EP_TEST_BACKEND_MODULES`` names (each module's
+    ``register()``)."""
+    for name in filter(None, os.environ.get(BACKEND_MODULES_ENV, "").split(",")):
+        importlib.import_module(name.strip()).register()
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ def _rank_main(
 ) -> None:
     os.environ.update(env)
     apply_interface_defaults(LOOPBACK)  # gloo and NCCL on loopback, as the store
+    import_test_backends()
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-import torch.distributed as dist
 
 from ep_runtime.dispatch.base import DEVICE_CHECKS_ENV
+from ep_runtime.launch.rendezvous import LOOPBACK, host_store
 from tests.multigpu import fault_cases
 from tests.multigpu.pool import RankPool
 from tests.multigpu.rank_inputs import CaseSpec
@@ -151,7 +151,7 @@ def test_close_then_forward_fails_every_rank(world, mode) -> None:
 
 def run_dying_group(world: int, victim: int, scenario: str, mode: str, layout: str):
     """Start ``world`` rank scripts; return (survivors' JSON reactions, every exit code)."""
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    store = host_store(LOOPBACK, world + 1, 60)
     command = [
         sys.executable,
         "-m",

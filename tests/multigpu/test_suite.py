@@ -1,12 +1,18 @@
 """The multi-rank suite: every (dispatcher × experts × layout × activation × mode) from the
 registries, on real ranks (gloo on CPU, NCCL with one GPU per rank), each rank checked per token
-against ``reference_moe`` with the derived tolerance (ep_runtime/tolerance.py)."""
+against ``reference_moe`` with the derived tolerance (ep_runtime/tolerance.py).
+
+Backends defined outside the package join the registries through ``EP_TEST_BACKEND_MODULES``
+(comma-separated modules whose ``register()`` runs here and in every rank process), e.g.
+``EP_TEST_BACKEND_MODULES=tests.memory_transport EP_TEST_WORLD_SIZES=1`` for the in-memory
+transport (a world of one only)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import re
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -16,20 +22,27 @@ from ep_runtime.experts import EXPERTS
 from ep_runtime.types import Activation, DispatchMode, TopkLayout
 from tests.multigpu import checks, dispatch_cases, layer_cases, rank_inputs
 from tests.multigpu.expectations import expected_refusal
-from tests.multigpu.pool import RankFailure
+from tests.multigpu.pool import RankFailure, import_test_backends
 from tests.multigpu.rank_inputs import CaseSpec
+
+import_test_backends()
 
 # EP_TEST_WORLD_SIZES=1,2,4,8 on a machine with 8 GPUs runs NCCL across all of them
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("EP_TEST_WORLD_SIZES", "1,2,4").split(","))
 
 
-def backend_matrix():
-    """Every backend that serves unquantized weights (fp8-only ones: test_fp8_layer.py)."""
+def backend_matrix(dispatchers: Iterable[str] | None = None):
+    """Every combination with each of ``dispatchers`` (default: every registered one) and every
+    backend that serves unquantized weights (fp8-only ones: test_fp8_layer.py)."""
     unquantized = [
         name for name in EXPERTS.names() if None in EXPERTS[name].capabilities.quantizations
     ]
     for dispatcher, experts, layout, activation, mode in itertools.product(
-        DISPATCHERS.names(), unquantized, TopkLayout, Activation, DispatchMode
+        DISPATCHERS.names() if dispatchers is None else dispatchers,
+        unquantized,
+        TopkLayout,
+        Activation,
+        DispatchMode,
     ):
         yield CaseSpec(
             dispatcher=dispatcher,
@@ -67,7 +80,11 @@ def run_checked(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("spec", list(backend_matrix()), ids=case_id)
 def test_layer_matches_reference(pool_factory, world_size: int, spec: CaseSpec) -> None:
-    results = run_checked(pool_factory(world_size), spec)
+    check_layer_matches_reference(pool_factory(world_size), spec)
+
+
+def check_layer_matches_reference(pool, spec: CaseSpec) -> None:
+    results = run_checked(pool, spec)
     checks.assert_all_pass(results)
     assert {r.layout for r in results} == {spec.layout}
 

@@ -1,0 +1,67 @@
+"""The process-wide dispatchers: one instance per (backend, group, sizes, dtype, mode), shared
+by every layer built for it (its buffers are the big allocation)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ep_runtime.dispatch.base import Dispatcher
+from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
+
+
+@dataclass
+class _SharedEntry:
+    dispatcher: Dispatcher
+    users: int = 0
+
+
+@dataclass
+class _SharedDispatchers:
+    entries: dict[tuple, _SharedEntry] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_SHARED = _SharedDispatchers()
+
+
+def _key(cls: type[Dispatcher], setup: DispatchSetup) -> tuple:
+    group_key = id(setup.comm.group) if setup.comm.group is not None else None
+    return (
+        cls.name,
+        group_key,
+        setup.comm.device,
+        setup.num_experts,
+        setup.hidden_size,
+        setup.max_top_k,
+        setup.max_tokens_per_rank,
+        setup.dtype,
+        setup.mode,
+        setup.poison,
+    )
+
+
+def acquire_dispatcher(
+    cls: type[Dispatcher], setup: DispatchSetup, peer_setup: PeerSetup
+) -> Dispatcher:
+    """The process-wide instance of ``cls`` for ``setup`` (buffers are shared by all layers)."""
+    key = _key(cls, setup)
+    with _SHARED.lock:
+        entry = _SHARED.entries.get(key)
+        if entry is None:
+            entry = _SharedEntry(cls(setup, peer_setup))
+            _SHARED.entries[key] = entry
+        entry.users += 1
+        return entry.dispatcher
+
+
+def release_dispatcher(dispatcher: Dispatcher) -> None:
+    """Drop one user; the last one closes the dispatcher and frees its buffers."""
+    with _SHARED.lock:
+        for key, entry in list(_SHARED.entries.items()):
+            if entry.dispatcher is dispatcher:
+                entry.users -= 1
+                if entry.users == 0:
+                    del _SHARED.entries[key]
+                    dispatcher.close()
+                return

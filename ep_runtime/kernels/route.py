@@ -1,0 +1,255 @@
+"""``route_tokens``: where each of this rank's tokens goes, and the header to each rank.
+
+The route also writes the forward header (the protocol's fields plus per-destination counts) and
+advances the forward counter in the control block: both are read on the device in the same
+launch, so capacity mode needs no host sync and no second kernel per forward.
+
+The torch function is the spec (and the CPU path); the Triton one is bitwise equal to it and
+reads no device value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ep_runtime.kernels.triton_common import (
+    C_BAD_IDS,
+    C_FORWARD_FAILED,
+    C_SEQ,
+    F_FINGERPRINT,
+    F_LAYER,
+    F_NUM_CHUNKS,
+    F_NUM_ROWS,
+    F_NUM_SLOTS,
+    F_PHASE,
+    F_SEQ,
+    F_STATUS,
+    F_TOP_K,
+    HINTS,
+    TILE_ELEMENTS,
+    jit,
+    pow2,
+    tl,
+)
+from ep_runtime.kernels.types import Route
+from ep_runtime.kernels.wire import Control, Field, HeaderFields
+
+
+def torch_route_tokens(
+    topk_ids: torch.Tensor,  # [T, K] int32/int64 global ids, -1 = unused
+    *,
+    num_experts: int,
+    experts_per_rank: int,
+    world_size: int,
+    drop_invalid: bool,
+    control: torch.Tensor,  # [CONTROL_INTS] int32; SEQ read and advanced, BAD_IDS counted
+    fields: HeaderFields,
+    header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
+    invalid_status: int = 0,
+) -> Route:
+    """Destinations and chunk rows of every token, and the header to each rank.
+
+    ``drop_invalid``: ids out of ``[0, E)`` (other than -1) and repeats within a row become -1.
+    They are counted in ``control[BAD_IDS]``, or, with a nonzero ``invalid_status``, make the
+    header's status that (where ``fields.status`` is OK): every rank then learns of the bad
+    input from the header exchange, at no extra cost to good input."""
+    num_tokens, top_k = topk_ids.shape
+    device = topk_ids.device
+    ids = topk_ids.to(torch.int64)
+    if drop_invalid:
+        out_of_range = (ids < -1) | (ids >= num_experts)
+        ids = ids.masked_fill(out_of_range, -1)
+        later = torch.arange(top_k, device=device)
+        same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & (ids.unsqueeze(2) >= 0)  # [T, K, K]
+        repeated = (same & (later.view(1, 1, -1) < later.view(1, -1, 1))).any(dim=2)
+        ids = ids.masked_fill(repeated, -1)
+        dropped = (out_of_range.sum() + repeated.sum()).to(torch.int32)
+        if not invalid_status:
+            control[Control.BAD_IDS] += dropped
+    owner = torch.where(ids >= 0, ids // experts_per_rank, world_size)  # [T, K], W = unused
+    mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, owner, True)
+    mask = mask[:, :world_size]  # [T, W]
+    running = mask.to(torch.int32).cumsum(0, dtype=torch.int32)
+    dest_slot = torch.where(mask, running - 1, -1).to(torch.int32)
+    rows = mask.sum(0, dtype=torch.int32)  # [W]
+    slots = torch.zeros(world_size + 1, dtype=torch.int32, device=device)
+    slots.scatter_add_(0, owner.reshape(-1), torch.ones_like(owner, dtype=torch.int32).reshape(-1))
+    # token_of[d, slot] = t, through a trash column T for pairs that are not sent
+    token_of = torch.full((world_size, num_tokens + 1), -1, dtype=torch.int32, device=device)
+    target = torch.where(mask, dest_slot, num_tokens).t().to(torch.int64)  # [W, T]
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=device).expand(world_size, -1)
+    token_of.scatter_(1, target, tokens)
+    control[Control.FORWARD_FAILED] = 0
+    header = header_out
+    header.zero_()
+    header[:, Field.STATUS] = fields.status
+    if drop_invalid and invalid_status and fields.status == 0:
+        header[:, Field.STATUS] = torch.where(dropped > 0, invalid_status, 0)
+    header[:, Field.SEQ] = control[Control.SEQ]
+    header[:, Field.FINGERPRINT] = fields.fingerprint
+    header[:, Field.LAYER] = fields.layer
+    header[:, Field.PHASE] = fields.phase
+    header[:, Field.TOP_K] = fields.top_k
+    header[:, Field.NUM_CHUNKS] = fields.num_chunks
+    header[:, Field.NUM_ROWS] = rows
+    header[:, Field.NUM_SLOTS] = slots[:world_size]
+    control[Control.SEQ] += 1
+    return Route(ids.to(torch.int32), dest_slot, token_of[:, :num_tokens], header)
+
+
+# --------------------------------------------------------------------------- Triton
+@jit
+def _route_kernel(
+    topk_ids,  # [T, K] int32/int64
+    ids_stride_t,
+    ids_stride_k,
+    ids_out,  # [T, K] int32, contiguous
+    dest_slot,  # [T, W] int32, contiguous
+    token_of,  # [W, T] int32, contiguous
+    header,  # [W, HEADER_INTS] int32
+    header_stride,
+    control,  # [CONTROL_INTS] int32
+    num_tokens,
+    num_experts,
+    experts_per_rank,
+    status,
+    fingerprint,
+    layer,
+    phase,
+    top_k_field,
+    num_chunks,
+    invalid_status,  # nonzero: invalid ids make the status this instead of being counted
+    top_k,
+    world,
+    KP: tl.constexpr,  # top_k padded to a power of two
+    WP: tl.constexpr,  # world padded to a power of two
+    BT: tl.constexpr,  # tokens per step
+    DROP: tl.constexpr,
+):
+    """One program: tokens in blocks of BT, with running rows per destination (the carry)."""
+    seq = tl.load(control + C_SEQ)
+    bad_ids = tl.load(control + C_BAD_IDS)
+    tl.debug_barrier()  # every thread has read control before any thread writes it
+    k = tl.arange(0, KP)
+    w = tl.arange(0, WP)
+    rows = tl.zeros([WP], dtype=tl.int32)  # token rows so far per destination
+    slot_lanes = tl.zeros([BT, WP], dtype=tl.int32)  # (token, slot) pairs per lane, summed last
+    dropped_lanes = tl.zeros([BT], dtype=tl.int32)
+    for start in range(0, num_tokens, BT):
+        t = start + tl.arange(0, BT)
+        t_ok = t < num_tokens
+        tk_ok = t_ok[:, None] & (k[None, :] < top_k)  # [BT, KP]
+        t64 = t.to(tl.int64)
+        ids = tl.load(
+            topk_ids + t64[:, None] * ids_stride_t + k[None, :] * ids_stride_k,
+            mask=tk_ok,
+            other=-1,
+        ).to(tl.int64)
+        if DROP:
+            out_of_range = (ids < -1) | (ids >= num_experts)
+            ids = tl.where(out_of_range, -1, ids)
+        ids = ids.to(tl.int32)  # in range after the drop (as the twin's cast otherwise)
+        if DROP:
+            # slot k repeats an id of an earlier slot j < k: [BT, KP (k), KP (j)]
+            same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+            same = same & (k[None, None, :] < k[None, :, None])
+            repeated = tl.max(same.to(tl.int32), axis=2) > 0
+            ids = tl.where(repeated, -1, ids)
+            dropped_lanes += tl.sum((out_of_range | repeated).to(tl.int32), axis=1)
+        tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
+        owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)
+        hit = (owner[:, :, None] == w[None, None, :]) & (w[None, None, :] < world)  # [BT,KP,WP]
+        hit = hit.to(tl.int32)
+        slot_lanes += tl.sum(hit, axis=1)
+        member = tl.max(hit, axis=1) > 0  # [BT, WP]: token t goes to rank w
+        running = tl.cumsum(member.to(tl.int32), axis=0) + rows[None, :]  # [BT, WP]
+        slot = tl.where(member, running - 1, -1)
+        tl.store(
+            dest_slot + t64[:, None] * world + w[None, :],
+            slot,
+            mask=t_ok[:, None] & (w[None, :] < world),
+        )
+        token_rows = w[None, :].to(tl.int64) * num_tokens  # [1, WP]
+        tl.store(token_of + token_rows + slot, t[:, None] + 0 * slot, mask=member)
+        rows += tl.sum(member.to(tl.int32), axis=0)
+    # token_of past each destination's count
+    for start in range(0, num_tokens, BT):
+        s = start + tl.arange(0, BT)
+        past = (s[:, None] < num_tokens) & (s[:, None] >= rows[None, :]) & (w[None, :] < world)
+        tl.store(token_of + w[None, :].to(tl.int64) * num_tokens + s[:, None], -1, mask=past)
+    slots = tl.sum(slot_lanes, axis=0)  # [WP]
+    dropped = tl.sum(dropped_lanes, axis=0)
+    if DROP:  # invalid ids fail this rank's forward (as the header's status) if asked to
+        status = tl.where(
+            (dropped > 0) & (invalid_status != 0) & (status == 0), invalid_status, status
+        )
+    f = tl.arange(0, HINTS)[None, :]  # [1, HEADER_INTS]
+    values = tl.zeros([WP, HINTS], dtype=tl.int32)
+    values = tl.where(f == F_STATUS, status, values)
+    values = tl.where(f == F_SEQ, seq, values)
+    values = tl.where(f == F_FINGERPRINT, fingerprint, values)
+    values = tl.where(f == F_LAYER, layer, values)
+    values = tl.where(f == F_PHASE, phase, values)
+    values = tl.where(f == F_TOP_K, top_k_field, values)
+    values = tl.where(f == F_NUM_CHUNKS, num_chunks, values)
+    values = tl.where(f == F_NUM_ROWS, rows[:, None], values)
+    values = tl.where(f == F_NUM_SLOTS, slots[:, None], values)
+    tl.store(header + w[:, None] * header_stride + f, values, mask=w[:, None] < world)
+    tl.store(control + C_SEQ, seq + 1)
+    tl.store(control + C_FORWARD_FAILED, 0)
+    if DROP:
+        tl.store(control + C_BAD_IDS, bad_ids + tl.where(invalid_status == 0, dropped, 0))
+
+
+def triton_route_tokens(
+    topk_ids: torch.Tensor,  # [T, K] int32/int64 global ids, -1 = unused
+    *,
+    num_experts: int,
+    experts_per_rank: int,
+    world_size: int,
+    drop_invalid: bool,
+    control: torch.Tensor,  # [CONTROL_INTS] int32; SEQ read and advanced, BAD_IDS counted
+    fields: HeaderFields,
+    header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
+    invalid_status: int = 0,
+) -> Route:
+    """Destinations and chunk rows of every token, and the header to each rank (one launch;
+    ``torch_route_tokens`` is the spec)."""
+    num_tokens, top_k = topk_ids.shape
+    device = topk_ids.device
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    dest_slot = torch.empty(num_tokens, world_size, dtype=torch.int32, device=device)
+    token_of = torch.empty(world_size, num_tokens, dtype=torch.int32, device=device)
+    kp, wp = pow2(top_k), pow2(world_size)
+    # one program walks all tokens: big steps (fewer serial iterations), 8 warps to hold them
+    block = max(8, min(256, 2 * TILE_ELEMENTS // (kp * max(kp, wp)), pow2(num_tokens)))
+    _route_kernel[(1,)](
+        topk_ids,
+        topk_ids.stride(0),
+        topk_ids.stride(1),
+        ids,
+        dest_slot,
+        token_of,
+        header_out,
+        header_out.stride(0),
+        control,
+        num_tokens,
+        num_experts,
+        experts_per_rank,
+        fields.status,
+        fields.fingerprint,
+        fields.layer,
+        fields.phase,
+        fields.top_k,
+        fields.num_chunks,
+        invalid_status,
+        top_k=top_k,
+        world=world_size,
+        KP=kp,
+        WP=wp,
+        BT=pow2(block),
+        DROP=drop_invalid,
+        num_warps=8,
+    )
+    return Route(ids, dest_slot, token_of, header_out)

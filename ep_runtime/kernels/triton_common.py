@@ -1,0 +1,161 @@
+"""What the Triton kernels share: the optional import, launch-size helpers, device helpers, and
+the header and control columns as constexprs.
+
+Triton is optional: without it the names here still exist (``jit`` leaves a kernel a plain
+function that is never launched, the constexprs are ints) so every op file imports, and
+``ops.py`` resolves every op to its torch twin.
+
+Under ``TRITON_INTERPRET=1`` (the CPU tests) the kernels run on CPU tensors; the interpreter
+truncates fp32 → bf16, so there the rounding is done on the bits (``_rounded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ep_runtime.kernels.layout import ChunkLayout
+from ep_runtime.kernels.wire import HEADER_BYTES, HEADER_INTS, Control, Field
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # the torch twins run without it
+    triton = tl = libdevice = None  # type: ignore[assignment]
+
+HAS_TRITON = triton is not None
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``, or ``fn`` itself where Triton is missing (then it is never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def _constexpr(value: int) -> Any:
+    return tl.constexpr(value) if HAS_TRITON else value
+
+
+INTERPRET = _constexpr(bool(HAS_TRITON and triton.knobs.runtime.interpret))
+
+# header columns and control entries, as constexprs the kernels can read
+F_STATUS = _constexpr(int(Field.STATUS))
+F_SEQ = _constexpr(int(Field.SEQ))
+F_FINGERPRINT = _constexpr(int(Field.FINGERPRINT))
+F_LAYER = _constexpr(int(Field.LAYER))
+F_PHASE = _constexpr(int(Field.PHASE))
+F_TOP_K = _constexpr(int(Field.TOP_K))
+F_NUM_CHUNKS = _constexpr(int(Field.NUM_CHUNKS))
+F_NUM_ROWS = _constexpr(int(Field.NUM_ROWS))
+F_NUM_SLOTS = _constexpr(int(Field.NUM_SLOTS))
+C_SEQ = _constexpr(int(Control.SEQ))
+C_BAD_IDS = _constexpr(int(Control.BAD_IDS))
+C_FAILED_STATUS = _constexpr(int(Control.FAILED_STATUS))
+C_FAILED_RANK = _constexpr(int(Control.FAILED_RANK))
+C_FAILED_SEQ = _constexpr(int(Control.FAILED_SEQ))
+C_FORWARD_FAILED = _constexpr(int(Control.FORWARD_FAILED))
+HINTS = _constexpr(HEADER_INTS)
+HBYTES = _constexpr(HEADER_BYTES)
+
+MAX_ROW_BLOCK = 2048  # elements of a row one program copies per step
+TILE_ELEMENTS = 4096  # bound on the elements of the 2-D/3-D index tiles (registers)
+
+
+def _fix_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter holds a scalar argument as a 1-element array and converts it with
+    ``int(array)``, which NumPy ≥ 2.4 refuses: every loop bounded by a kernel argument fails.
+    Under the interpreter only, convert its one element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "ep_runtime_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.ep_runtime_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _fix_interpreter_scalars()
+
+
+# --------------------------------------------------------------------------- launch helpers
+def pow2(n: int) -> int:
+    """Smallest power of two ≥ max(n, 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def row_block(length: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for programs that each copy BLOCK elements of a row (16 bytes per
+    thread per access); above ``MAX_ROW_BLOCK``, the power of two (≥ 512) wasting least."""
+    if length <= MAX_ROW_BLOCK:
+        block = pow2(length)
+    else:
+        candidates = (MAX_ROW_BLOCK, MAX_ROW_BLOCK // 2, MAX_ROW_BLOCK // 4)
+        block = min(candidates, key=lambda b: (-(-length // b) * b - length, -b))
+    warps = max(1, min(8, block * element_size // 512))
+    return block, warps
+
+
+def stride_units(stride: int, element_size: int) -> tuple[int, int]:
+    """``(stride // unit, unit)`` for the largest unit of at most 16 bytes dividing ``stride``.
+    A kernel computing ``row · units · UNIT`` (``UNIT`` a constexpr) knows rows start 16-byte
+    aligned and vectorises; Triton only marks integer arguments divisible by 16 elements."""
+    unit = max(1, 16 // element_size)
+    while stride % unit:
+        unit //= 2
+    return stride // unit, unit
+
+
+def capacity_arg(chunks: ChunkLayout) -> int:
+    """The chunk layout for a kernel: capacity, or -1 for exact sizes."""
+    return -1 if chunks.capacity is None else chunks.capacity
+
+
+# --------------------------------------------------------------------------- device helpers
+@jit
+def rounded(x, dtype: tl.constexpr):
+    """fp32 ``x`` → ``dtype``, rounded to nearest even. The interpreter truncates fp32 → bf16,
+    so there the rounding is done on the bits (NaN → 0x7FC0, as torch on CPU)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+            bits = tl.where(x != x, 0x7FC0, bits)
+            y = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(dtype)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@jit
+def exp_fp32(x):
+    """Full-precision fp32 exp (libdevice), as torch's; numpy's under the interpreter."""
+    return tl.exp(x) if INTERPRET else libdevice.exp(x)
+
+
+@jit
+def device_chunk_starts(
+    counts,
+    counts_stride,
+    world,
+    WP: tl.constexpr,
+    header_rows,
+    capacity,
+):
+    """``[WP]`` int64 first row of each chunk (entries ≥ world meaningless) and ``[WP]`` token
+    rows per chunk, from the per-chunk counts on the device (exact) or the stride (capacity)."""
+    w = tl.arange(0, WP)
+    rows = tl.load(counts + w * counts_stride, mask=w < world, other=0).to(tl.int64)
+    if capacity >= 0:
+        starts = w.to(tl.int64) * (header_rows + capacity)
+    else:
+        sizes = tl.where(w < world, rows + header_rows, 0)
+        starts = tl.cumsum(sizes, 0) - sizes
+    return starts, rows
