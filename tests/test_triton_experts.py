@@ -246,4 +246,4 @@ def test_shipped_tile_table_is_valid() -> None:
     )
     assert picked in devices[tuned_device][key].values()
     unknown = expert_tiles.select("no such GPU", "up", 3, 24, 40, True, 8)
-    assert unknown == expert_tiles.heuristic("up", 4, 24, 40, True, interpret=False)
+    assert unknown == expert_tiles.heuristic("up", 4, 24, 40, interpret=False)

@@ -72,6 +72,10 @@ def candidates(bucket: int) -> list[TileConfig]:
         TileConfig(128, 128, 64, 8, 8, 4),
         TileConfig(128, 256, 64, 8, 8, 3),
         TileConfig(256, 128, 64, 8, 8, 3),
+        TileConfig(128, 128, 64, 16, 8, 4),
+        TileConfig(128, 64, 128, 8, 8, 3),
+        TileConfig(128, 128, 128, 8, 8, 3),
+        TileConfig(128, 256, 64, 8, 8, 4),
     ]
     if bucket <= 16:
         return decode

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ep_runtime.kernels.triton_ops import _rounded
 
-SORT_BLOCK = 1024  # pairs one program scans per step
+SORT_BLOCK = 4096  # pairs one program scans per step (each step waits on two reductions)
 MAX_SUM_BLOCK = 1024  # elements of a row one program sums
 
 # --------------------------------------------------------------------------- torch spec
@@ -159,7 +159,7 @@ def sort_pairs(
         local_offset,
         num_local,
         BLOCK=SORT_BLOCK,
-        num_warps=4,
+        num_warps=8,
     )
 
 

@@ -84,18 +84,18 @@ def table_path() -> Path:
     return Path(__file__).with_name(TABLE_FILE)
 
 
-def heuristic(gemm: str, bucket: int, n: int, k: int, gated: bool, interpret: bool) -> TileConfig:
+def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileConfig:
     """A config for shapes without a tuned entry. Under the interpreter, where every program
     and every step costs milliseconds: the fewest programs and steps for small test shapes."""
     if interpret:
         return TileConfig(16, min(128, _pow2(n)), min(64, _pow2(k)), num_stages=1)
     if bucket <= 16:  # decode: stream the weights, many programs, deep pipeline
-        return TileConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
-    if bucket <= 64:
-        return TileConfig(32, 64, 128, group_m=1, num_warps=4, num_stages=4)
-    if bucket <= 256:
-        return TileConfig(64, 64 if gated else 128, 64, group_m=8, num_warps=4, num_stages=4)
-    return TileConfig(128, 64 if gated else 128, 64, group_m=8, num_warps=8, num_stages=3)
+        return TileConfig(16, 64, 128, num_stages=4)
+    if bucket <= 64:  # the H200 tuning's winner at 32 rows per expert, both models
+        return TileConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+    if bucket <= 256 or gemm == "up":  # and its winners for the gated GEMM1 at prefill
+        return TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    return TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
 
 
 def select(
@@ -115,4 +115,4 @@ def select(
     if tuned:
         nearest = min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
         return tuned[nearest]
-    return heuristic(gemm, bucket, n, k, gated, interpret)
+    return heuristic(gemm, bucket, n, k, interpret)
