@@ -247,3 +247,20 @@ def test_shipped_tile_table_is_valid() -> None:
     assert picked in devices[tuned_device][key].values()
     unknown = expert_tiles.select("no such GPU", "up", 3, 24, 40, True, 8)
     assert unknown == expert_tiles.heuristic("up", 4, 24, 40, interpret=False)
+
+
+def test_auto_picks_it_only_where_measured_faster(monkeypatch) -> None:
+    """SM90 (the H200 the benchmark ran on), caps up to 512 tokens per rank."""
+    import ep_runtime.experts.triton as module
+
+    config = MoEConfig(4, 2, 40, 24, dtype=BF16)
+
+    def setup(cap: int) -> ExpertsSetup:
+        placement = ExpertPlacement(4, 0, 1)
+        return ExpertsSetup(config, placement, torch.device("cuda"), BF16, max_tokens_per_rank=cap)
+
+    monkeypatch.setattr(module, "cuda_arch", lambda device: 90)
+    assert TritonExperts.auto_refusal(setup(512)) is None
+    assert "not at a cap of 4096" in TritonExperts.auto_refusal(setup(4096))
+    monkeypatch.setattr(module, "cuda_arch", lambda device: 100)
+    assert "not on SM100" in TritonExperts.auto_refusal(setup(128))

@@ -12,7 +12,8 @@ written by ``python -m ep_runtime.bench.tune_experts``) or a heuristic, resolved
 expert bucket once and cached; buffers grow to the largest forward seen and are reused.
 
 On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: slow, for tests), and
-``"auto"`` picks it only on the GPUs where it was measured faster than ``grouped_mm``.
+``"auto"`` picks it only where it was measured faster than ``grouped_mm``: SM90, at most 512
+tokens per rank (decode-sized layers).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ class TritonExperts(Experts):
         description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2",
     )
     auto_priority = 15
-    measured_archs: ClassVar[frozenset[int]] = frozenset({90})  # where auto may pick it
+    # where "auto" may pick it: measured faster than grouped_mm on the H200 (BENCHMARKS.md) at
+    # T ≤ 512 tokens per rank, eager and as a CUDA graph; at T = 4096 (prefill) it was not
+    measured_archs: ClassVar[frozenset[int]] = frozenset({90})
+    auto_max_tokens_per_rank: ClassVar[int] = 512
 
     @classmethod
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
@@ -72,6 +76,11 @@ class TritonExperts(Experts):
         arch = cuda_arch(setup.device)
         if arch not in cls.measured_archs:
             return f"measured faster than grouped_mm on SM90 only, not on SM{arch}"
+        if setup.token_cap > cls.auto_max_tokens_per_rank:
+            return (
+                f"measured faster than grouped_mm up to {cls.auto_max_tokens_per_rank} tokens "
+                f"per rank, not at a cap of {setup.token_cap} (prefill: grouped_mm was faster)"
+            )
         return None
 
     def __init__(self, setup: ExpertsSetup) -> None:
