@@ -9,12 +9,14 @@ import torch
 from ep_runtime import MoEConfig, reference_moe
 from ep_runtime.experts import EXPERTS
 from ep_runtime.experts.base import ExpertsSetup
+from ep_runtime.experts.triton import interpreting
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import Dispatched, TopkLayout
 
 NUM_EXPERTS, WORLD, RANK = 8, 4, 2  # local experts 4 and 5
-CPU_BACKENDS = ["reference", "grouped_mm"]
+# triton runs on CPU tensors only under Triton's interpreter (set by conftest without a GPU)
+CPU_BACKENDS = ["reference", "grouped_mm", *(["triton"] if interpreting() else [])]
 
 
 def setup_for(activation: str, dtype: torch.dtype) -> ExpertsSetup:

@@ -19,9 +19,12 @@ WORLD_SIZES = [w for w in (1, 2) if torch.cuda.is_available() and torch.cuda.dev
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_capacity_forward_has_no_host_sync(pool_factory, world_size, layout, activation) -> None:
+@pytest.mark.parametrize("experts", ["grouped_mm", "triton"])
+def test_capacity_forward_has_no_host_sync(
+    pool_factory, world_size, layout, activation, experts
+) -> None:
     spec = CaseSpec(
-        experts="grouped_mm",
+        experts=experts,
         layout=layout,
         activation=activation,
         mode="capacity",
@@ -36,9 +39,10 @@ def test_capacity_forward_has_no_host_sync(pool_factory, world_size, layout, act
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
-def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout) -> None:
+@pytest.mark.parametrize("experts", ["grouped_mm", "triton"])
+def test_cuda_graph_replay_equals_eager(pool_factory, world_size, layout, experts) -> None:
     spec = CaseSpec(
-        experts="grouped_mm", layout=layout, mode="capacity", hidden=128, intermediate=64, cap=32
+        experts=experts, layout=layout, mode="capacity", hidden=128, intermediate=64, cap=32
     )
     replays = pool_factory(world_size).run_ok(cuda_cases.cuda_graph_replay_matches_eager, spec)
     assert replays == [2] * world_size

@@ -1,0 +1,212 @@
+"""Tune the ``triton`` experts' tile configs: ``python -m ep_runtime.bench.tune_experts``.
+
+For each model shape and token count, routes T tokens (balanced random, distinct experts per
+token, world size 1, STANDARD layout: rows gathered through the sorted pairs), times every
+candidate config of each GEMM (``expert_up``, ``expert_down``) with CUDA events (median), checks
+the winner against the kernels' torch spec, and merges the fastest per (GEMM, L, N, K, rows-per-
+expert bucket) into the table shipped in the package (``ep_runtime/kernels/expert_tiles.json``),
+under this GPU's name. One CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ep_runtime.kernels.expert_tiles import TileConfig, rows_bucket, shape_key, table_path
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_local: int
+    hidden: int
+    intermediate: int
+    top_k: int = 8
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape("deepseek-v3-ep8-shard", 32, 7168, 2048),
+        Shape("qwen3-30b-a3b", 128, 2048, 768),
+    )
+}
+TOKENS = (1, 8, 32, 128, 512, 4096)
+
+
+def candidates(bucket: int) -> list[TileConfig]:
+    """The configs tried for a rows-per-expert bucket: few-row tiles (plain and swapped) for
+    decode, large tiles with grouped ordering for prefill, both in between. Kept short: every
+    config is a compile of each kernel."""
+    decode = [
+        TileConfig(16, 64, 128, 1, 4, 4),
+        TileConfig(16, 128, 128, 1, 4, 4),
+        TileConfig(16, 32, 256, 1, 4, 4),
+        TileConfig(16, 64, 256, 1, 4, 3),
+        TileConfig(16, 128, 64, 1, 4, 5),
+        TileConfig(16, 64, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 4, swap=True),
+    ]
+    middle = [
+        TileConfig(32, 64, 128, 1, 4, 4),
+        TileConfig(32, 128, 128, 1, 4, 4),
+        TileConfig(32, 64, 256, 1, 4, 3),
+        TileConfig(64, 64, 128, 4, 4, 4),
+        TileConfig(64, 128, 64, 4, 4, 4),
+        TileConfig(32, 128, 128, 1, 4, 4, swap=True),
+    ]
+    prefill = [
+        TileConfig(64, 128, 64, 8, 4, 4),
+        TileConfig(128, 64, 64, 8, 4, 4),
+        TileConfig(128, 128, 64, 8, 8, 3),
+        TileConfig(128, 128, 64, 8, 8, 4),
+        TileConfig(128, 256, 64, 8, 8, 3),
+        TileConfig(256, 128, 64, 8, 8, 3),
+        TileConfig(128, 128, 64, 16, 8, 4),
+        TileConfig(128, 64, 128, 8, 8, 3),
+        TileConfig(128, 128, 128, 8, 8, 3),
+        TileConfig(128, 256, 64, 8, 8, 4),
+    ]
+    if bucket <= 16:
+        return decode
+    if bucket <= 64:
+        return middle + prefill[:2]
+    return prefill
+
+
+def time_ms(work: Callable[[], object], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        work()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
+    """Weights, rows, routing and the sorted pairs of one (shape, T)."""
+    from ep_runtime.kernels import expert_rows
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.num_local, shape.hidden, shape.intermediate
+    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(BF16)
+    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).to(BF16)
+    x = torch.randn(tokens, h, device=device, generator=g).to(BF16)
+    scores = torch.rand(tokens, e, device=device, generator=g)
+    ids = scores.topk(shape.top_k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(tokens, shape.top_k, device=device, generator=g)
+    pairs = torch.empty(tokens * shape.top_k, dtype=torch.int32, device=device)
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=device)
+    expert_rows.sort_pairs(ids, pairs, offsets, local_offset=0, num_local=e)
+    return w13, w2, x, ids, weights, pairs, offsets
+
+
+def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int) -> dict:
+    """Best config of each GEMM for (shape, T), with every candidate's time."""
+    from ep_runtime.kernels import expert_gemm
+
+    w13, w2, x, _, weights, pairs, offsets = problem(shape, tokens, device)
+    num_pairs = pairs.numel()
+    bucket = rows_bucket(num_pairs, shape.num_local)
+    act = torch.empty(num_pairs, shape.intermediate, dtype=BF16, device=device)
+    per_pair = torch.empty(num_pairs, shape.hidden, dtype=BF16, device=device)
+    up_spec = expert_gemm.expert_up_spec(x, w13, offsets, pairs, top_k=shape.top_k, gated=True)
+    down_spec = expert_gemm.expert_down_spec(
+        up_spec, w2, offsets, pairs, weights, num_out=num_pairs
+    )
+    runs = {
+        "up": lambda c: expert_gemm.expert_up(
+            x, w13, offsets, pairs, act, top_k=shape.top_k, gated=True, config=c
+        ),
+        "down": lambda c: expert_gemm.expert_down(
+            up_spec, w2, offsets, pairs, weights, per_pair, config=c
+        ),
+    }
+    result: dict = {"shape": shape.name, "tokens": tokens, "bucket": bucket}
+    for gemm, run in runs.items():
+        timings = {}
+        for config in candidates(bucket):
+            try:
+                timings[config] = time_ms(lambda c=config, run=run: run(c), iters)
+            except Exception as error:  # out of shared memory / registers: not a candidate
+                print(f"  {gemm} {config}: {type(error).__name__}", file=sys.stderr)
+        best = min(timings, key=timings.__getitem__)
+        run(best)
+        got, want = (act, up_spec) if gemm == "up" else (per_pair, down_spec)
+        rows = pairs[: int(offsets[-1])].long() if gemm == "down" else slice(0, num_pairs)
+        error = (got[rows].float() - want[rows].float()).norm() / want[rows].float().norm()
+        if not error < 1e-2:
+            raise AssertionError(f"{shape.name} T={tokens} {gemm} {best}: relative error {error}")
+        n, k = (
+            (shape.intermediate, shape.hidden)
+            if gemm == "up"
+            else (shape.hidden, shape.intermediate)
+        )
+        result[gemm] = {
+            "key": shape_key(gemm, shape.num_local, n, k, gated=True),
+            "best": best.to_json(),
+            "best_ms": timings[best],
+            "rel_error": float(error),
+            "tried": [[c.to_json(), ms] for c, ms in sorted(timings.items(), key=lambda t: t[1])],
+        }
+        print(f"{shape.name} T={tokens} bucket={bucket} {gemm}: {timings[best]:.4f} ms {best}")
+    return result
+
+
+def merge(document: dict, device_name: str, results: list[dict]) -> dict:
+    """The table with this run's winners written under ``device_name``."""
+    devices = document.setdefault("devices", {})
+    entries = devices.setdefault(device_name, {})
+    for point in results:
+        for gemm in ("up", "down"):
+            entries.setdefault(point[gemm]["key"], {})[str(point["bucket"])] = point[gemm]["best"]
+    return document
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_runtime.bench.tune_experts", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--iters", type=int, default=10, help="timed runs per candidate")
+    parser.add_argument("--table", type=Path, default=table_path(), help="the table to update")
+    parser.add_argument("--json", type=Path, help="also write every candidate's time here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: tune_experts needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    device_name = torch.cuda.get_device_name(device)
+    document = json.loads(args.table.read_text()) if args.table.exists() else {}
+    document["command"] = "python -m ep_runtime.bench.tune_experts"
+    results = []
+    for name in args.shapes:
+        for tokens in args.tokens:
+            results.append(tune_point(SHAPES[name], tokens, device, args.iters))
+            merge(document, device_name, results[-1:])  # written as it goes: a cut run keeps it
+            args.table.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
+    print(f"wrote {args.table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Our own fused Triton experts: two grouped GEMMs over the dispatcher's rows, nothing between.
+
+STANDARD (preferred): the served (row, slot) pairs are sorted by expert as indices only
+(``kernels/expert_rows.py``); GEMM1 gathers each pair's hidden state straight from the received
+rows and applies the activation in its epilogue; GEMM2 applies the router weight in its epilogue
+and writes the pair's row; one fixed-order pass sums each row's slots. EXPANDED: the same GEMMs
+on the dispatcher's grouped rows (GEMM2 writes each row's own result, padding rows zero). Four
+launches (STANDARD) or two (EXPANDED), fp32 math, one rounding per step, no atomics.
+
+Tile configs come from the tuned table shipped in the package (``kernels/expert_tiles.json``,
+written by ``python -m ep_runtime.bench.tune_experts``) or a heuristic, resolved per rows-per-
+expert bucket once and cached; buffers grow to the largest forward seen and are reused.
+
+On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: slow, for tests), and
+``"auto"`` picks it only where it was measured faster than ``grouped_mm``: SM90, at most 512
+tokens per rank (decode-sized layers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import ClassVar
+
+import torch
+
+from ep_runtime.experts.base import (
+    EXPERTS,
+    Experts,
+    ExpertsCapabilities,
+    ExpertsSetup,
+    cuda_arch,
+)
+from ep_runtime.types import Activation, Dispatched, TopkLayout
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors)."""
+    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "on")
+
+
+@EXPERTS.register
+class TritonExperts(Experts):
+    name = "triton"
+    capabilities = ExpertsCapabilities(
+        device_types=frozenset({"cpu", "cuda"}),  # cpu: under the interpreter only
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        activations=frozenset(Activation),
+        layouts=frozenset(TopkLayout),
+        preferred_layout=TopkLayout.STANDARD,
+        description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2",
+    )
+    auto_priority = 15
+    # where "auto" may pick it: measured faster than grouped_mm on the H200 (BENCHMARKS.md) at
+    # T ≤ 512 tokens per rank, eager and as a CUDA graph; at T = 4096 (prefill) it was not
+    measured_archs: ClassVar[frozenset[int]] = frozenset({90})
+    auto_max_tokens_per_rank: ClassVar[int] = 512
+
+    @classmethod
+    def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
+        if setup.device.type == "cpu" and not interpreting():
+            return f"runs on CPU only under Triton's interpreter ({INTERPRET_ENV}=1)"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        arch = cuda_arch(setup.device)
+        if arch is not None and arch < 80:
+            return f"needs SM80+ (bf16 tensor cores), this device is SM{arch}"
+        return None
+
+    @classmethod
+    def auto_refusal(cls, setup: ExpertsSetup) -> str | None:
+        if setup.device.type == "cpu":
+            return "on CPU it runs in Triton's interpreter (slow, for tests): name it to use it"
+        arch = cuda_arch(setup.device)
+        if arch not in cls.measured_archs:
+            return f"measured faster than grouped_mm on SM90 only, not on SM{arch}"
+        if setup.token_cap > cls.auto_max_tokens_per_rank:
+            return (
+                f"measured faster than grouped_mm up to {cls.auto_max_tokens_per_rank} tokens "
+                f"per rank, not at a cap of {setup.token_cap} (prefill: grouped_mm was faster)"
+            )
+        return None
+
+    def __init__(self, setup: ExpertsSetup) -> None:
+        super().__init__(setup)
+        from ep_runtime.kernels import expert_gemm, expert_rows, expert_tiles
+
+        self._gemm = expert_gemm
+        self._rows = expert_rows
+        self._tiles = expert_tiles
+        self.gated = self.activation.is_gated
+        self.num_local = self.placement.num_local_experts
+        self.local_offset = self.placement.local_expert_offset
+        self.hidden = self.config.hidden_size
+        self.intermediate = self.config.intermediate_size
+        device = setup.device
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.interpret = device.type == "cpu"
+        self._configs: dict[int, tuple] = {}  # rows-per-expert bucket -> (up, down) configs
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=device)
+
+    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13 = w13.contiguous()  # [L, 2I | I, H]
+        self.w2 = w2.contiguous()  # [L, H, I]
+
+    def workspace_bytes(self, max_rows: int) -> int:
+        """STANDARD at K = top_k: pair indices, the activation, the per-pair results and the
+        output; EXPANDED needs less (no pairs, no per-pair results)."""
+        pairs = max_rows * self.config.top_k
+        element = self.setup.dtype.itemsize
+        return (
+            4 * (pairs + self.num_local + 1)
+            + element * pairs * (self.intermediate + self.hidden)
+            + element * max_rows * self.hidden
+        )
+
+    def _buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, width]`` view of a buffer that grows to the largest request and is reused."""
+        held = self._buffers.get(name)
+        if held is None or held.size(0) < rows:
+            held = torch.empty(max(rows, 1), width, dtype=dtype, device=self.setup.device)
+            self._buffers[name] = held
+        return held[:rows]
+
+    def _tile_configs(self, served_pairs: int) -> tuple:
+        """(up, down) tile configs for about ``served_pairs`` grouped rows (cached per bucket)."""
+        bucket = self._tiles.rows_bucket(served_pairs, self.num_local)
+        configs = self._configs.get(bucket)
+        if configs is None:
+            select = self._tiles.select
+            common = {"rows": served_pairs, "interpret": self.interpret}
+            configs = (
+                select(
+                    self.device_name,
+                    "up",
+                    self.num_local,
+                    self.intermediate,
+                    self.hidden,
+                    self.gated,
+                    **common,
+                ),
+                select(
+                    self.device_name,
+                    "down",
+                    self.num_local,
+                    self.hidden,
+                    self.intermediate,
+                    False,
+                    **common,
+                ),
+            )
+            self._configs[bucket] = configs
+        return configs
+
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
+        hidden = dispatched.hidden_states  # [R, H]
+        num_rows = hidden.size(0)
+        dtype = hidden.dtype
+        out = self._buffer("out", num_rows, self.hidden, dtype)  # [R, H]
+        if num_rows == 0:
+            return out
+        if dispatched.layout is TopkLayout.EXPANDED:
+            assert dispatched.expert_offsets is not None
+            offsets = dispatched.expert_offsets
+            up, down = self._tile_configs(num_rows)
+            act = self._buffer("act", num_rows, self.intermediate, dtype)  # [R, I]
+            self._gemm.expert_up(
+                hidden, self.w13, offsets, None, act, top_k=1, gated=self.gated, config=up
+            )
+            return self._gemm.expert_down(
+                act, self.w2, offsets, None, dispatched.topk_weights, out, config=down
+            )
+        ids = dispatched.topk_ids  # [R, K]
+        top_k = ids.size(1)
+        num_pairs = num_rows * top_k
+        pairs = self._buffer("pairs", num_pairs, 1, torch.int32).view(-1)  # [R·K]
+        rows = self._rows
+        rows.sort_pairs(
+            ids, pairs, self._offsets, local_offset=self.local_offset, num_local=self.num_local
+        )
+        # served pairs per row: K at world size 1, about K·L/E where L of E experts are local
+        served = num_rows * max(1, min(top_k, top_k * self.num_local // self.placement.num_experts))
+        up, down = self._tile_configs(served)
+        act = self._buffer("act", num_pairs, self.intermediate, dtype)  # [R·K, I]
+        per_pair = self._buffer("per_pair", num_pairs, self.hidden, dtype)  # [R·K, H]
+        self._gemm.expert_up(
+            hidden, self.w13, self._offsets, pairs, act, top_k=top_k, gated=self.gated, config=up
+        )
+        self._gemm.expert_down(
+            act, self.w2, self._offsets, pairs, dispatched.topk_weights, per_pair, config=down
+        )
+        return rows.sum_slots(
+            per_pair, ids, out, local_offset=self.local_offset, num_local=self.num_local
+        )

@@ -1,0 +1,118 @@
+"""Tile configs of the expert GEMMs (``kernels/expert_gemm.py``): the tuned table shipped as JSON
+in the package (``python -m ep_runtime.bench.tune_experts`` writes it), and a heuristic for shapes
+the table lacks.
+
+A table entry is keyed by the GEMM (``up``: ``[rows, H] · w13ᵀ`` → ``[rows, I]``, gated or not;
+``down``: ``[rows, I] · w2ᵀ`` → ``[rows, H]``), the local expert count ``L``, the output width
+``N``, the reduction depth ``K``, and the bucket of rows per expert (the power of two at or above
+``rows / L``). A shape whose exact key is missing takes the nearest bucket of the same
+``(gemm, L, N, K)``, else the heuristic. Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+TABLE_PACKAGE = "ep_runtime.kernels"
+TABLE_FILE = "expert_tiles.json"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration. ``swap``: compute the transposed tile ``wᵀ·xᵀ`` so the weight
+    rows fill the matrix unit's M side (few rows per expert: decode)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(entry: dict) -> TileConfig:
+        return TileConfig(**entry)
+
+
+def rows_bucket(rows: int, num_local: int) -> int:
+    """The power of two at or above the mean rows per expert (at least 1)."""
+    mean = max(1, -(-rows // max(1, num_local)))
+    return 1 << (mean - 1).bit_length()
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above ``n`` (at least 16, the smallest ``tl.dot`` side)."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool) -> str:
+    suffix = "_gated" if gated and gemm == "up" else ""
+    return f"{gemm}_L{num_local}_N{n}_K{k}{suffix}"
+
+
+@functools.cache
+def _table(device_name: str) -> dict[str, dict[int, TileConfig]]:
+    """The shipped entries for ``device_name`` (empty when none were tuned on it)."""
+    try:
+        text = resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE).read_text()
+    except FileNotFoundError:
+        return {}
+    return parse_table(json.loads(text)).get(device_name, {})
+
+
+def parse_table(document: dict) -> dict[str, dict[str, dict[int, TileConfig]]]:
+    """``{device: {shape key: {bucket: config}}}`` from the JSON document."""
+    return {
+        device: {
+            key: {int(bucket): TileConfig.from_json(c) for bucket, c in buckets.items()}
+            for key, buckets in shapes.items()
+        }
+        for device, shapes in document.get("devices", {}).items()
+    }
+
+
+def table_path() -> Path:
+    """Where the shipped table lives in a source checkout (the tuning command writes it)."""
+    return Path(__file__).with_name(TABLE_FILE)
+
+
+def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileConfig:
+    """A config for shapes without a tuned entry. Under the interpreter, where every program
+    and every step costs milliseconds: the fewest programs and steps for small test shapes."""
+    if interpret:
+        return TileConfig(16, min(128, _pow2(n)), min(64, _pow2(k)), num_stages=1)
+    if bucket <= 16:  # decode: stream the weights, many programs, deep pipeline
+        return TileConfig(16, 64, 128, num_stages=4)
+    if bucket <= 64:  # the H200 tuning's winner at 32 rows per expert, both models
+        return TileConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+    if bucket <= 256 or gemm == "up":  # and its winners for the gated GEMM1 at prefill
+        return TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    return TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+
+
+def select(
+    device_name: str,
+    gemm: str,
+    num_local: int,
+    n: int,
+    k: int,
+    gated: bool,
+    rows: int,
+    *,
+    interpret: bool = False,
+) -> TileConfig:
+    """The config for ``rows`` grouped rows: tuned entry (nearest bucket), else the heuristic."""
+    bucket = rows_bucket(rows, num_local)
+    tuned = {} if interpret else _table(device_name).get(shape_key(gemm, num_local, n, k, gated))
+    if tuned:
+        nearest = min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return tuned[nearest]
+    return heuristic(gemm, bucket, n, k, interpret)
