@@ -168,6 +168,11 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         raise ValueError(
             "--layout: expected auto, standard or expanded with --hf-model, given both"
         )
+    if args.quantization != "none":
+        raise ValueError(
+            "--quantization: expected none with --hf-model (the model's experts decide: "
+            f"deepseek-v3-fp8 is fp8), given {args.quantization}"
+        )
     config = _hf_config(args.hf_model)
     idle = set(args.hf_idle_rank)
     prompts = tuple(
