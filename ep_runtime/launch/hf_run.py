@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-model",
         metavar="NAME|PATH",
         help="generate with a transformers MoE model: qwen3-moe, mixtral, deepseek-v3, "
-        "deepseek-v2 (small random models) or a local checkpoint directory",
+        "deepseek-v2, deepseek-v3-fp8 (FP8 experts, 128x128 block scales) (small random models) "
+        "or a local checkpoint directory",
     )
     group.add_argument("--hf-prompt-tokens", type=int, default=8,
                        help="rank r's prompt: this + 3r tokens")  # fmt: skip
