@@ -76,5 +76,6 @@ def transformers_fp8_unavailable(model: nn.Module) -> str | None:
                 torch.ones(1, 1, device=device),
             )
     except (ImportError, NotImplementedError, RuntimeError) as error:
-        return f"transformers' FP8 experts forward does not run here: {error}".splitlines()[0]
+        why = f"transformers' FP8 experts forward does not run on {device.type}: {error}"
+        return why.splitlines()[0]
     return None
