@@ -184,7 +184,8 @@ def patch_moe_blocks(
     (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
     the same model (it builds EP layers, which agree on backends collectively). Move and cast
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
-    them where they are."""
+    them where they are. FP8 experts (transformers' ``FP8Experts``, 128×128 block scales) stay
+    e4m3: an ``EPMoE`` with ``quantization="fp8_block"`` gets the weights and their scales."""
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
