@@ -103,16 +103,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_config(name_or_path: str) -> Any:
-    from ep_runtime.integrations.transformers import RANDOM_MODELS, random_config
+    from ep_runtime.integrations.transformers import NAMED_MODELS, random_config
 
-    if name_or_path in RANDOM_MODELS:
+    if name_or_path in NAMED_MODELS:
         return random_config(name_or_path)
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name_or_path)
     raise ValueError(
-        f"--hf-model: expected one of {', '.join(RANDOM_MODELS)} or a local checkpoint "
+        f"--hf-model: expected one of {', '.join(NAMED_MODELS)} or a local checkpoint "
         f"directory, given {name_or_path!r}"
     )
 

@@ -33,6 +33,8 @@ from ep_runtime.integrations.transformers.architectures import (
 )
 from ep_runtime.integrations.transformers.generation import GreedyResult, MoEClock, greedy_generate
 from ep_runtime.integrations.transformers.models import (
+    FP8_RANDOM_MODELS,
+    NAMED_MODELS,
     RANDOM_MODELS,
     TESTED_TRANSFORMERS,
     build_random_model,
@@ -52,6 +54,8 @@ from ep_runtime.integrations.transformers.patching import (
 
 __all__ = [
     "ARCHITECTURES",
+    "FP8_RANDOM_MODELS",
+    "NAMED_MODELS",
     "RANDOM_MODELS",
     "SUPPORTED_BLOCKS",
     "TESTED_TRANSFORMERS",

@@ -106,11 +106,13 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     }
 
 
-RANDOM_MODELS = (*(arch.name for arch in ARCHITECTURES), "deepseek-v3-fp8")
+RANDOM_MODELS = tuple(arch.name for arch in ARCHITECTURES)  # one per architecture, unquantized
+FP8_RANDOM_MODELS = ("deepseek-v3-fp8",)  # FP8 experts (transformers' own fp8 forward needs CUDA)
+NAMED_MODELS = (*RANDOM_MODELS, *FP8_RANDOM_MODELS)
 
 
 def random_config(name: str, **overrides: Any) -> Any:
-    """The tiny config of architecture ``name`` (see ``RANDOM_MODELS``), fields overridden."""
+    """The tiny config of ``name`` (see ``NAMED_MODELS``), fields overridden."""
     configs = _tiny_configs()
     if name not in configs:
         raise EPInputError("model", f"one of {', '.join(configs)}", repr(name))
@@ -187,7 +189,7 @@ def load_model(
 ) -> nn.Module:
     """A random tiny model by architecture name, or a local checkpoint directory."""
     hf = require_transformers()
-    if name_or_path in RANDOM_MODELS:
+    if name_or_path in NAMED_MODELS:
         return build_random_model(
             random_config(name_or_path), seed=seed, dtype=dtype, device=device
         )
@@ -195,7 +197,7 @@ def load_model(
         model = hf.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         return model.to(device).eval()
     raise EPInputError(
-        "model", f"one of {', '.join(RANDOM_MODELS)} or a local checkpoint directory", name_or_path
+        "model", f"one of {', '.join(NAMED_MODELS)} or a local checkpoint directory", name_or_path
     )
 
 
