@@ -74,6 +74,12 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.repeat_interleave(BLOCK, dim=1)
 
 
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, K]`` → ``[N, K]`` fp32 ``q(x)·s``: what a GEMM that consumes ``q(x)`` sees (an
+    oracle applies it to each GEMM's input, ``reference_moe(..., gemm_input=...)``)."""
+    return dequantize_activations(*quantize_activations(x))
+
+
 def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., M, K]`` (M, K multiples of 128) → ``(q e4m3 [..., M, K], scale_inv fp32
     [..., M/128, K/128])`` with ``scale_inv = max(amax(|block|), 1e-10) / 448``."""

@@ -3,8 +3,12 @@ experts/ or the layer, so a bug there cannot hide in the oracle."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+GemmInput = Callable[[torch.Tensor], torch.Tensor]  # what a GEMM consumes, from its input rows
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -18,10 +22,16 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def expert_ffn(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    gemm_input: GemmInput | None = None,
 ) -> torch.Tensor:
-    """``w2 · act(w13 · x)`` for rows ``x [N, H]`` of one expert; ``w13`` is ``[gate; up]``."""
-    return activate(x @ w13.T, activation) @ w2.T
+    """``w2 · act(w13 · x)`` for rows ``x [N, H]`` of one expert; ``w13`` is ``[gate; up]``.
+    ``gemm_input`` maps each GEMM's input first (fp8: its activation quantization)."""
+    given = gemm_input or (lambda v: v)
+    return given(activate(given(x) @ w13.T, activation)) @ w2.T
 
 
 def reference_moe(
@@ -34,6 +44,7 @@ def reference_moe(
     *,
     accumulate_dtype: torch.dtype = torch.float64,
     return_scale: bool = False,
+    gemm_input: GemmInput | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out[t] = Σ_k w[t,k] · FFN_{ids[t,k]}(x[t])`` over slots with id ≠ -1, as float32.
 
@@ -41,6 +52,8 @@ def reference_moe(
     Weights on -1 slots are never read, so NaN there cannot leak. ``return_scale``: also
     ``[T]`` float64 ``Σ_k |w[t,k]| · ‖FFN_{ids[t,k]}(x[t])‖``, the size of the summed terms,
     which bounds the error of any computation of the sum (tolerance.py) even where it cancels.
+    ``gemm_input``: applied to each GEMM's input, the result cast back to ``accumulate_dtype``
+    (``quantization.fake_quantize_activations`` with dequantized weights: the fp8 contract).
     """
     activation = getattr(activation, "value", activation)
     acc = accumulate_dtype
@@ -48,10 +61,11 @@ def reference_moe(
     out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
     scale = torch.zeros(num_tokens, dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
+    given = None if gemm_input is None else (lambda v: gemm_input(v).to(acc))
     for expert in ids[ids >= 0].unique().tolist():
         token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
         rows = x[token_idx].to(acc)
-        y = expert_ffn(rows, w13[expert].to(acc), w2[expert].to(acc), activation)
+        y = expert_ffn(rows, w13[expert].to(acc), w2[expert].to(acc), activation, given)
         weights = topk_weights[token_idx, slot_idx].to(acc).unsqueeze(1)
         out.index_add_(0, token_idx, weights * y)
         scale.index_add_(0, token_idx, (weights * y).norm(dim=1).double())

@@ -135,12 +135,20 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     notes = []
     if world == 1:
         notes.append("W = 1: dispatch/combine 'bandwidth' is a local memory copy, not a network")
+    if spec.get("quantization"):
+        notes.append(
+            f"{spec['quantization']}: weights MB = e4m3 expert weights + fp32 block scales; "
+            f"recv MB and the a2a baselines are {first['dtype']} rows (fp8 dispatch is not built "
+            "yet); "
+            "rel err against the contract's quantized math, at the bf16 tolerance"
+        )
     return {
         "passed": all(case["passed"] for case in cases),
         "world_size": world,
         "launcher": launcher,
         "device": spec["device"],
         "dtype": first["dtype"],
+        "quantization": spec.get("quantization"),
         "model": spec["model"],
         "mode": spec["mode"],
         "tokens_per_rank": spec["model"]["tokens_per_rank"],

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layer.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                        help="auto: bf16 on CUDA, fp32 on CPU")  # fmt: skip
+    layer.add_argument(
+        "--quantization",
+        choices=("none", "fp8_block"),
+        default="none",
+        help="expert weights: none (the compute dtype) or fp8_block (generated in bf16, stored "
+        "e4m3 with an fp32 scale per 128x128 block; H and I multiples of 128)",
+    )
     model = parser.add_argument_group(
         "model (a preset, then overrides)", "each override defaults to the preset's value"
     )
@@ -166,8 +174,9 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             raise ValueError(f"{option}: expected >= 0, given {count}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout: expected > 0 seconds, given {args.timeout:g}")
+    quantization = None if args.quantization == "none" else args.quantization
     try:
-        model.moe_config()
+        replace(model.moe_config(), quantization=quantization)
     except EPInputError as error:
         option = CONFIG_OPTIONS.get(error.argument, error.argument)
         raise ValueError(f"{option}: expected {error.expected}, given {error.given}") from None
@@ -202,6 +211,7 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         validate_tokens=args.validate_tokens,
         baselines=not args.no_baselines,
         inject_failure=args.inject_failure,
+        quantization=quantization,
     )
     return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 

@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-model",
         metavar="NAME|PATH",
         help="generate with a transformers MoE model: qwen3-moe, mixtral, deepseek-v3, "
-        "deepseek-v2 (small random models) or a local checkpoint directory",
+        "deepseek-v2, deepseek-v3-fp8 (FP8 experts, 128x128 block scales) (small random models) "
+        "or a local checkpoint directory",
     )
     group.add_argument("--hf-prompt-tokens", type=int, default=8,
                        help="rank r's prompt: this + 3r tokens")  # fmt: skip
@@ -102,16 +103,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_config(name_or_path: str) -> Any:
-    from ep_runtime.integrations.transformers import RANDOM_MODELS, random_config
+    from ep_runtime.integrations.transformers import NAMED_MODELS, random_config
 
-    if name_or_path in RANDOM_MODELS:
+    if name_or_path in NAMED_MODELS:
         return random_config(name_or_path)
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name_or_path)
     raise ValueError(
-        f"--hf-model: expected one of {', '.join(RANDOM_MODELS)} or a local checkpoint "
+        f"--hf-model: expected one of {', '.join(NAMED_MODELS)} or a local checkpoint "
         f"directory, given {name_or_path!r}"
     )
 
@@ -167,6 +168,11 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     if args.layout == "both":
         raise ValueError(
             "--layout: expected auto, standard or expanded with --hf-model, given both"
+        )
+    if args.quantization != "none":
+        raise ValueError(
+            "--quantization: expected none with --hf-model (the model's experts decide: "
+            f"deepseek-v3-fp8 is fp8), given {args.quantization}"
         )
     config = _hf_config(args.hf_model)
     idle = set(args.hf_idle_rank)

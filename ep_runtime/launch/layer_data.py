@@ -5,19 +5,31 @@ Every tensor comes from its own generator seeded by a stable hash of (seed, what
 rank builds only its shard of experts and any rank can rebuild any expert bit for bit. Values
 depend on the device's generator (CPU and CUDA streams differ); a run uses one device type.
 Shapes come from the package's ``MoEConfig`` (``ModelPreset.moe_config``), ownership from
-``ExpertPlacement``; only the router is the preset's own.
+``ExpertPlacement``; only the router is the preset's own. With ``quantization="fp8_block"`` each
+expert is generated in bf16 and quantized per 128×128 block (``quantize_weight_blocks``); its
+reference is ``reference_moe`` on the dequantized weights with each GEMM's input quantized as the
+contract says (``fake_quantize_activations``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import torch
 
 from ep_runtime.config import MoEConfig
 from ep_runtime.launch.presets import ModelPreset
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import (
+    BLOCK,
+    FP8_DTYPE,
+    Quantization,
+    dequantize_weight_blocks,
+    fake_quantize_activations,
+    quantize_weight_blocks,
+)
 from ep_runtime.reference import reference_moe
 from ep_runtime.routing import route
 
@@ -61,6 +73,36 @@ def stacked_expert_weights(
     return w13, w2
 
 
+def quantized_expert_weights(
+    config: MoEConfig, experts: list[int], seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w13 e4m3 [N, 2I|I, H], w13_scale_inv fp32 [N, 2I/128|I/128, H/128], w2 e4m3
+    [N, H, I], w2_scale_inv fp32 [N, H/128, I/128])``: each listed expert generated in bf16
+    (``expert_weights``) and quantized per block, one at a time."""
+    hidden, inter, rows = config.hidden_size, config.intermediate_size, config.w13_rows
+    count = len(experts)
+    w13 = torch.empty(count, rows, hidden, device=device, dtype=FP8_DTYPE)
+    s13 = torch.empty(count, rows // BLOCK, hidden // BLOCK, device=device)
+    w2 = torch.empty(count, hidden, inter, device=device, dtype=FP8_DTYPE)
+    s2 = torch.empty(count, hidden // BLOCK, inter // BLOCK, device=device)
+    for slot, expert in enumerate(experts):
+        bf16_13, bf16_2 = expert_weights(config, expert, seed, device, torch.bfloat16)
+        w13[slot], s13[slot] = quantize_weight_blocks(bf16_13)
+        w2[slot], s2[slot] = quantize_weight_blocks(bf16_2)
+    return w13, s13, w2, s2
+
+
+def rank_shard(
+    config: MoEConfig, experts: list[int], seed: int, device: torch.device, dtype: torch.dtype
+) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+    """The listed experts as ``EPMoE.load_weights`` takes them: ``((w13, w2), scales)``, the
+    weights in ``dtype`` (no scales) or, with fp8 quantization, e4m3 with their block scales."""
+    if config.quantization is None:
+        return stacked_expert_weights(config, experts, seed, device, dtype), {}
+    w13, s13, w2, s2 = quantized_expert_weights(config, experts, seed, device)
+    return (w13, w2), {"w13_scale_inv": s13, "w2_scale_inv": s2}
+
+
 def local_experts(config: MoEConfig, rank: int, world_size: int) -> list[int]:
     """The expert ids ``rank`` owns (``ExpertPlacement``: a contiguous range)."""
     placement = ExpertPlacement(config.num_experts, rank, world_size)
@@ -69,9 +111,12 @@ def local_experts(config: MoEConfig, rank: int, world_size: int) -> list[int]:
 
 
 def shard_weight_bytes(config: MoEConfig, world_size: int, dtype: torch.dtype) -> int:
-    """Bytes of expert weights one rank holds: ``E/W · (rows·H + H·I)`` elements."""
+    """Bytes of expert weights one rank holds: ``E/W · (rows·H + H·I)`` elements of ``dtype``
+    (fp8: one byte each, plus an fp32 scale per 128×128 block)."""
     per_expert = (config.w13_rows + config.intermediate_size) * config.hidden_size
     num_local = ExpertPlacement(config.num_experts, 0, world_size).num_local_experts
+    if config.quantization is not None:
+        return num_local * (per_expert + per_expert // BLOCK**2 * 4)
     return num_local * per_expert * dtype.itemsize
 
 
@@ -121,26 +166,40 @@ def sampled_reference(
     topk_weights: torch.Tensor,  # [S, K] fp32
     seed: int,
     experts_per_chunk: int = EXPERTS_PER_VALIDATION_CHUNK,
+    quantization: Quantization | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """``reference_moe`` on the sample (fp32 ``[S, H]``), its per-token scale (``[S]``, the
-    size of the summed terms, see tolerance.py) and the experts it regenerated.
+    size of the summed terms, see tolerance.py) and the experts it regenerated. With fp8
+    ``quantization``: on the dequantized weights, each GEMM's input quantized (the contract).
 
     Experts are regenerated ``experts_per_chunk`` at a time with ids remapped to the chunk, so
     memory is bounded by the chunk, not by E (DeepSeek-V3 has 256 experts, 22 GB in bf16).
     """
-    config = model.moe_config()
+    config = replace(model.moe_config(), quantization=quantization)
+    gemm_input = None if config.quantization is None else fake_quantize_activations
     touched = sorted(int(e) for e in topk_ids[topk_ids >= 0].unique().tolist())
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     scale = torch.zeros(x.size(0), dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
     for start in range(0, len(touched), experts_per_chunk):
         chunk = touched[start : start + experts_per_chunk]
-        w13, w2 = stacked_expert_weights(config, chunk, seed, x.device, x.dtype)
+        if config.quantization is None:
+            w13, w2 = stacked_expert_weights(config, chunk, seed, x.device, x.dtype)
+        else:
+            q13, s13, q2, s2 = quantized_expert_weights(config, chunk, seed, x.device)
+            w13, w2 = dequantize_weight_blocks(q13, s13), dequantize_weight_blocks(q2, s2)
         chunk_ids = torch.full_like(ids, -1)
         for slot, expert in enumerate(chunk):
             chunk_ids[ids == expert] = slot
         part, part_scale = reference_moe(
-            x, chunk_ids, topk_weights, w13, w2, activation=config.activation, return_scale=True
+            x,
+            chunk_ids,
+            topk_weights,
+            w13,
+            w2,
+            activation=config.activation,
+            return_scale=True,
+            gemm_input=gemm_input,
         )
         out += part
         scale += part_scale

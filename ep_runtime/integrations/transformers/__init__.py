@@ -18,8 +18,9 @@ Needs the ``hf`` extra (``transformers``); written and tested against transforme
 
 One job a module: ``architectures`` (the supported blocks, their router readers), ``patching``
 (``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``generation``
-(``greedy_generate``, ``MoEClock``) and ``models`` (random tiny models, ``load_model``,
-``eos_ids``; the only one that imports ``transformers``).
+(``greedy_generate``, ``MoEClock``), ``models`` (random tiny models, among them FP8 experts,
+``load_model``, ``eos_ids``; the only one that imports ``transformers``) and ``fp8`` (whether an
+unpatched model's FP8 experts run here, the contract's math as their forward where they do not).
 """
 
 from ep_runtime.integrations.transformers.architectures import (
@@ -32,6 +33,8 @@ from ep_runtime.integrations.transformers.architectures import (
 )
 from ep_runtime.integrations.transformers.generation import GreedyResult, MoEClock, greedy_generate
 from ep_runtime.integrations.transformers.models import (
+    FP8_RANDOM_MODELS,
+    NAMED_MODELS,
     RANDOM_MODELS,
     TESTED_TRANSFORMERS,
     build_random_model,
@@ -51,6 +54,8 @@ from ep_runtime.integrations.transformers.patching import (
 
 __all__ = [
     "ARCHITECTURES",
+    "FP8_RANDOM_MODELS",
+    "NAMED_MODELS",
     "RANDOM_MODELS",
     "SUPPORTED_BLOCKS",
     "TESTED_TRANSFORMERS",

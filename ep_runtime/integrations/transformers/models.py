@@ -1,6 +1,6 @@
 """Seeded random tiny models per supported architecture (the launcher's and the tests' fixtures),
-checkpoint loading, and the model's end-of-sequence ids. The one part of the integration that
-needs ``transformers`` itself (the ``hf`` extra)."""
+among them a DeepSeek-V3 with FP8 experts, checkpoint loading, and the model's end-of-sequence
+ids. The one part of the integration that needs ``transformers`` itself (the ``hf`` extra)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ep_runtime.integrations.transformers.architectures import ARCHITECTURES
+from ep_runtime.quantization import BLOCK, quantize_weight_blocks
 from ep_runtime.types import EPInputError
 
 try:  # the optional extra; the rest of the integration works without it
@@ -42,6 +43,14 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         num_attention_heads=4,
         max_position_embeddings=512,
         tie_word_embeddings=False,
+    )
+    deepseek_v3 = dict(
+        q_lora_rank=32,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
     )
     deepseek = dict(
         common,
@@ -79,14 +88,13 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             num_local_experts=12,
             num_experts_per_tok=2,
         ),
-        "deepseek-v3": lambda: hf.DeepseekV3Config(
-            **deepseek,
-            q_lora_rank=32,
-            n_group=4,
-            topk_group=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+        "deepseek-v3": lambda: hf.DeepseekV3Config(**deepseek, **deepseek_v3),
+        # routed experts e4m3 with fp32 scales per 128×128 block, as DeepSeek-V3 ships them
+        # (H and I one block each, tiny otherwise); see to_fp8_experts
+        "deepseek-v3-fp8": lambda: hf.DeepseekV3Config(
+            **{**deepseek, "hidden_size": BLOCK, "moe_intermediate_size": BLOCK},
+            **deepseek_v3,
+            quantization_config=hf.FineGrainedFP8Config(weight_block_size=[BLOCK, BLOCK]),
         ),
         "deepseek-v2": lambda: hf.DeepseekV2Config(
             **deepseek,
@@ -98,11 +106,13 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     }
 
 
-RANDOM_MODELS = tuple(arch.name for arch in ARCHITECTURES)
+RANDOM_MODELS = tuple(arch.name for arch in ARCHITECTURES)  # one per architecture, unquantized
+FP8_RANDOM_MODELS = ("deepseek-v3-fp8",)  # FP8 experts (transformers' own fp8 forward needs CUDA)
+NAMED_MODELS = (*RANDOM_MODELS, *FP8_RANDOM_MODELS)
 
 
 def random_config(name: str, **overrides: Any) -> Any:
-    """The tiny config of architecture ``name`` (see ``RANDOM_MODELS``), fields overridden."""
+    """The tiny config of ``name`` (see ``NAMED_MODELS``), fields overridden."""
     configs = _tiny_configs()
     if name not in configs:
         raise EPInputError("model", f"one of {', '.join(configs)}", repr(name))
@@ -117,7 +127,8 @@ def build_random_model(
 ) -> nn.Module:
     """A causal LM from ``config`` with seeded weights, identical in every process: matrices
     ~ N(0, 1/fan_in) (decisive routers, spread logits), norms ~ 1, DeepSeek-V3's correction
-    bias ~ N(0, 0.1²) so that it changes selections."""
+    bias ~ N(0, 0.1²) so that it changes selections. A config with a ``FineGrainedFP8Config``
+    gets its routed experts quantized from those weights (``to_fp8_experts``)."""
     hf = require_transformers()
     model = hf.AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(seed)
@@ -133,7 +144,44 @@ def build_random_model(
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    quantization = getattr(config, "quantization_config", None)
+    return model if quantization is None else to_fp8_experts(model, quantization)
+
+
+def to_fp8_experts(model: nn.Module, quantization: Any) -> nn.Module:
+    """``model`` with its routed experts in transformers' FineGrainedFP8 layout: its own
+    ``FP8Experts`` modules (``replace_with_fp8_linear``, as ``from_pretrained`` builds them for
+    an FP8 checkpoint) holding e4m3 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` and
+    fp32 ``gate_up_proj_scale_inv [E, 2I/128, H/128]`` / ``down_proj_scale_inv [E, H/128,
+    I/128]``, quantized per 128×128 block from the current weights. Every other layer keeps its
+    dtype (transformers' ``FP8Linear`` needs CUDA kernels; the EP blocks replace only experts);
+    ``quantization.modules_to_not_convert`` lists them."""
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    if list(quantization.weight_block_size) != [BLOCK, BLOCK]:
+        raise EPInputError(
+            "quantization_config.weight_block_size",
+            f"[{BLOCK}, {BLOCK}]",
+            quantization.weight_block_size,
+        )
+    quantization.modules_to_not_convert = [
+        name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
+    originals = {name: m for name, m in model.named_modules() if name.endswith(".experts")}
+    replace_with_fp8_linear(
+        model,
+        modules_to_not_convert=quantization.modules_to_not_convert,
+        quantization_config=quantization,
+    )
+    for name, original in originals.items():
+        converted = model.get_submodule(name)  # on the meta device until filled here
+        for weight in ("gate_up_proj", "down_proj"):
+            q, scale_inv = quantize_weight_blocks(getattr(original, weight).detach())
+            setattr(converted, weight, nn.Parameter(q, requires_grad=False))
+            setattr(converted, f"{weight}_scale_inv", nn.Parameter(scale_inv, requires_grad=False))
+        converted.eval()
+    return model
 
 
 def load_model(
@@ -141,7 +189,7 @@ def load_model(
 ) -> nn.Module:
     """A random tiny model by architecture name, or a local checkpoint directory."""
     hf = require_transformers()
-    if name_or_path in RANDOM_MODELS:
+    if name_or_path in NAMED_MODELS:
         return build_random_model(
             random_config(name_or_path), seed=seed, dtype=dtype, device=device
         )
@@ -149,7 +197,7 @@ def load_model(
         model = hf.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         return model.to(device).eval()
     raise EPInputError(
-        "model", f"one of {', '.join(RANDOM_MODELS)} or a local checkpoint directory", name_or_path
+        "model", f"one of {', '.join(NAMED_MODELS)} or a local checkpoint directory", name_or_path
     )
 
 

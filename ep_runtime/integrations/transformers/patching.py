@@ -1,11 +1,13 @@
 """``EPMoEBlock`` (a HF sparse-MoE block's router, ``route()``, an ``EPMoE`` shard and its shared
 experts) and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
-the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard."""
+the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard. FP8 experts
+(transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they are: e4m3
+weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from ep_runtime.integrations.transformers.architectures import (
     architecture_of,
 )
 from ep_runtime.layer import EPMoE
+from ep_runtime.quantization import BLOCK, FP8_DTYPE, Quantization
 from ep_runtime.routing import route
 from ep_runtime.types import EPInputError
 
@@ -150,12 +153,15 @@ class PatchReport:
 
 
 def tensor_bytes(obj: object) -> int:
-    """Bytes of the distinct storages behind the tensors among ``obj``'s attributes."""
+    """Bytes of the distinct storages behind the tensors among ``obj``'s attributes (and the
+    fields of dataclass attributes: an fp8 shard with its scales)."""
     storages: dict[int, int] = {}
     for value in vars(obj).values():
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        is_record = is_dataclass(value) and not isinstance(value, type)
+        for tensor in [getattr(value, f.name) for f in fields(value)] if is_record else [value]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -199,7 +205,9 @@ def patch_moe_blocks(
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
     them where they are. ``expert_weights`` gives each block's local experts (default: the
     rows of its own tensors; integrations/checkpoint.py reads them from a checkpoint into a
-    model whose expert tensors are on the meta device)."""
+    model whose expert tensors are on the meta device). FP8 experts (transformers'
+    ``FP8Experts``, 128×128 block scales) stay e4m3: an ``EPMoE`` with
+    ``quantization="fp8_block"`` gets the weights and their scales."""
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
@@ -211,6 +219,7 @@ def patch_moe_blocks(
     kept = freed = 0
     for name, block, router in routers:
         w13, w2 = _fused_expert_weights(name, block)
+        scales = _fp8_block_scales(name, block.experts, w13, w2)  # None: unquantized
         num_experts, _, hidden = w13.shape
         if not 1 <= router.top_k <= num_experts:
             raise EPInputError(f"{name}.gate.top_k", f"in [1, {num_experts}]", router.top_k)
@@ -220,14 +229,23 @@ def patch_moe_blocks(
             hidden_size=hidden,
             intermediate_size=w2.size(2),
             activation="silu",
-            dtype=w13.dtype,
+            dtype=w13.dtype if scales is None else _activation_dtype(model),
+            quantization=None if scales is None else Quantization.FP8_BLOCK,
         )
         options = {"device": w13.device, **layer_options}
         ep = EPMoE(config, group=group, **options)
         local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
         num_local = len(local)
-        with torch.no_grad():
-            ep.load_weights(*expert_weights(name, w13, w2, local))  # [S, 2I, H], [S, H, I]
+        shard_scales = (
+            {}
+            if scales is None
+            else {  # [S, 2I/128, H/128], [S, H/128, I/128]
+                f"{weight}_scale_inv": scale[local].detach()
+                for weight, scale in zip(("w13", "w2"), scales, strict=True)
+            }
+        )
+        with torch.no_grad():  # [S, 2I, H], [S, H, I]
+            ep.load_weights(*expert_weights(name, w13, w2, local), **shard_scales)
         replacement = EPMoEBlock(
             gate=block.gate,
             ep=ep,
@@ -235,7 +253,7 @@ def patch_moe_blocks(
             shared_experts=getattr(block, "shared_experts", None),
             hf_class=type(block).__name__,
         ).train(block.training)
-        per_expert = w13[0].numel() + w2[0].numel()
+        per_expert = sum(t[0].numel() for t in (w13, w2, *(scales or ())))
         kept += num_local * per_expert
         freed += num_experts * per_expert
         del w13, w2
@@ -286,14 +304,71 @@ def _fused_expert_weights(name: str, block: nn.Module) -> tuple[torch.Tensor, to
             raise UnsupportedMoEBlockError(
                 f"{name}.experts.{flag}", str(expected), getattr(experts, flag)
             )
-    if w13.dtype not in (torch.float32, torch.bfloat16):
-        raise EPInputError(f"{name}.experts dtype", "torch.float32 or torch.bfloat16", w13.dtype)
+    if w13.dtype not in (torch.float32, torch.bfloat16, FP8_DTYPE) or w2.dtype != w13.dtype:
+        raise EPInputError(
+            f"{name}.experts dtype",
+            f"torch.float32, torch.bfloat16 or {FP8_DTYPE} (FineGrainedFP8), the same for both",
+            f"{w13.dtype} and {w2.dtype}",
+        )
     probe = torch.linspace(-4.0, 4.0, 17, dtype=torch.float32)
     if not torch.allclose(experts.act_fn(probe), F.silu(probe)):
         raise UnsupportedMoEBlockError(
             f"{name}.experts.act_fn", "SiLU (EPMoE's gated 'silu')", type(experts.act_fn).__name__
         )
     return w13, w2
+
+
+def _fp8_block_scales(
+    name: str, experts: nn.Module, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' FP8 experts (``FP8Experts``): ``gate_up_proj_scale_inv [E, 2I/128, H/128]``
+    and ``down_proj_scale_inv [E, H/128, I/128]`` fp32, checked to be the contract EPMoE
+    computes (128×128 blocks, dynamic activation scales, plain SiLU gate); None for unquantized
+    experts."""
+    if w13.dtype != FP8_DTYPE:
+        return None
+    settings = {
+        "block_size": ([BLOCK, BLOCK], list(getattr(experts, "block_size", None) or [])),
+        "activation_scheme": ("dynamic", getattr(experts, "activation_scheme", None)),
+    }
+    # clamped or soft-capped SwiGLU variants: not the contract's silu(gate) * up
+    for variant in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"):
+        settings[variant] = (None, getattr(experts, variant, None))
+    for setting, (expected, given) in settings.items():
+        if given != expected:
+            raise UnsupportedMoEBlockError(f"{name}.experts.{setting}", repr(expected), given)
+    scales = []
+    for weight_name, weight in (("gate_up_proj", w13), ("down_proj", w2)):
+        scale = getattr(experts, f"{weight_name}_scale_inv", None)
+        *lead, rows, cols = weight.shape
+        expected = [*lead, rows // BLOCK, cols // BLOCK]
+        if (
+            not isinstance(scale, torch.Tensor)
+            or list(scale.shape) != expected
+            or scale.dtype != torch.float32
+        ):
+            given = (
+                f"shape {list(scale.shape)}, dtype {scale.dtype}"
+                if isinstance(scale, torch.Tensor)
+                else type(scale).__name__
+            )
+            raise UnsupportedMoEBlockError(
+                f"{name}.experts.{weight_name}_scale_inv",
+                f"fp32 block scales of shape {expected} (scale_fmt 'float'; ue8m0 checkpoints also "
+                "round activation scales to powers of two, which the contract does not)",
+                given,
+            )
+        scales.append(scale)
+    return scales[0], scales[1]
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype hidden states have in ``model`` (its input embeddings'): FP8 experts'
+    weights do not tell it."""
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise EPInputError("model dtype", "torch.float32 or torch.bfloat16", dtype)
+    return dtype
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
