@@ -20,7 +20,7 @@ from rich.console import Console
 
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
-from ep_runtime.launch import hf_run
+from ep_runtime.launch import hf_run, layer_eplb
 from ep_runtime.launch.layer_run import FAILURE_KINDS, FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=FailureInjection.parse,
         help="testing the supervision: make one rank fail at a timed iteration",
     )
+    layer_eplb.add_arguments(parser)
     hf_run.add_arguments(parser)
     return parser
 
@@ -171,7 +172,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     except EPInputError as error:
         option = CONFIG_OPTIONS.get(error.argument, error.argument)
         raise ValueError(f"{option}: expected {error.expected}, given {error.given}") from None
-    if model.num_experts % world_size:
+    balance = layer_eplb.checked_options(args, model.num_experts, world_size)
+    if not balance["redundant_experts"] and model.num_experts % world_size:
         raise ValueError(
             f"--dp: expected a divisor of the {model.num_experts} experts of {model.name}, "
             f"given {world_size}"
@@ -202,6 +204,7 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         validate_tokens=args.validate_tokens,
         baselines=not args.no_baselines,
         inject_failure=args.inject_failure,
+        **balance,
     )
     return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
