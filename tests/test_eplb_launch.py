@@ -114,6 +114,8 @@ def test_spawn_run_rebalances_and_validates_before_and_after(tmp_path: Path, cap
         (["--redundant-experts", "3"], "--redundant-experts: expected R with E + R a multiple of "
          "--dp 2 (E = 16), given 3"),
         (["--rebalance-every", "0"], "--rebalance-every: expected >= 1 iterations, given 0"),
+        (["--hf-model", "mixtral", "--redundant-experts", "2"], "--redundant-experts: expected "
+         "none with --hf-model (the synthetic layer's option), given 2"),
     ],
 )  # fmt: skip
 def test_bad_balancing_values_exit_2_with_one_line(argv, message, capsys, monkeypatch) -> None:

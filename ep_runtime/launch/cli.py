@@ -287,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             place = env_rank()
             world_size, reports_here = place.world_size, place.rank == 0
+        layer_eplb.refuse_with_hf_model(args)
         spec = (hf_run.build_spec if args.hf_model else build_spec)(args, world_size)
         if reports_here:
             check_outputs(args)

@@ -66,6 +66,23 @@ def checked_options(args: argparse.Namespace, num_experts: int, world_size: int)
     return {"routing": routing, "redundant_experts": redundant, "rebalance_every": every}
 
 
+def refuse_with_hf_model(args: argparse.Namespace) -> None:
+    """The options drive the synthetic layer only: with ``--hf-model`` they are refused, not
+    ignored (``patch_moe_blocks(num_redundant_experts=R)`` is the API there)."""
+    if not args.hf_model:
+        return
+    for option, value, default in (
+        ("--routing", args.routing, MODEL_ROUTING),
+        ("--redundant-experts", args.redundant_experts, 0),
+        ("--rebalance-every", args.rebalance_every, None),
+    ):
+        if value != default:
+            raise ValueError(
+                f"{option}: expected none with --hf-model (the synthetic layer's option), "
+                f"given {value}"
+            )
+
+
 def physical_destinations(
     topk_ids: torch.Tensor, device_map: DeviceMap, rank: int, world_size: int
 ) -> list[int]:
