@@ -18,7 +18,7 @@ from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.base import LayerIdentity
 from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
-from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport
+from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport, WeightSet
 from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
@@ -146,13 +146,15 @@ class EPMoE(torch.nn.Module):
         *,
         w13_scale_inv: torch.Tensor | None = None,
         w2_scale_inv: torch.Tensor | None = None,
+        weights_are: WeightSet | str = "auto",
     ) -> None:
         """Global ``[E, …]`` weights (and fp8 block scales): this rank keeps its slots' experts;
-        ``[S, …]`` slot weights (without redundancy, the ``[L, …]`` shard) taken as they are.
-        Cast once to the compute dtype (fp8 weights stay e4m3) and handed to the experts
-        backend for conversion."""
+        ``[S, …]`` slot weights (without redundancy, the ``[L, …]`` shard) taken as they are;
+        ``weights_are`` ("auto", "global", "slots") says which where ``S == E`` ("auto" reads
+        ``[E, …]`` as global). Cast once to the compute dtype (fp8 weights stay e4m3) and
+        handed to the experts backend for conversion."""
         self._check_open()
-        slot13, slot2 = self.eplb.select_weights(w13, w2)
+        slot13, slot2 = self.eplb.select_weights(w13, w2, weights_are)
         check_expert_weights(slot13, slot2, self.config, self.eplb.slots_per_rank)
         quantization = self.config.quantization
         if quantization is None:
@@ -165,7 +167,7 @@ class EPMoE(torch.nn.Module):
         else:
             scales = (w13_scale_inv, w2_scale_inv)
             if all(isinstance(scale, torch.Tensor) for scale in scales):
-                scales = self.eplb.select_weights(*scales)  # type: ignore[arg-type]
+                scales = self.eplb.select_weights(*scales, weights_are)  # type: ignore[arg-type]
             check_weight_quantization(quantization, slot13, slot2, *scales)
             shard = Fp8BlockWeights(slot13, scales[0], slot2, scales[1])
             self.experts.load_quantized_weights(shard.to(self.device))

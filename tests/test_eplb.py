@@ -391,3 +391,33 @@ def test_cuda_capacity_forward_with_the_map_syncs_nothing_and_replays_bitwise() 
         layer.check()
     finally:
         layer.close()
+
+
+def test_weights_are_says_global_or_slots_and_checks_the_size() -> None:
+    """W = 1, E = 8, R = 2: S = 10. After a rebalance, reloading ``[S]`` slot weights in the
+    new slot order (``weights_are="slots"``) and the global ``[E]`` ones (``"global"``, and
+    ``"auto"``) give the reference output; a size that does not match the named kind, or an
+    unknown kind, is refused naming the argument."""
+    w13, w2 = _weights()
+    x, ids, weights = _inputs()
+    layer = EPMoE(CFG, device="cpu", num_redundant_experts=2)
+    try:
+        layer.load_weights(w13, w2, weights_are="global")
+        layer.rebalance(torch.arange(8.0) ** 2)  # moves replicas onto the heaviest experts
+        slots = list(layer.placement.experts_on_rank(0))
+        assert slots != list(PlacementMap.initial(8, 2, 1).experts_on_rank(0))
+        for given, kind in (((w13[slots], w2[slots]), "slots"), ((w13, w2), "global")):
+            layer.load_weights(*given, weights_are=kind)
+            _assert_matches(layer(x, ids, weights), x, ids, weights, w13, w2)
+        layer.load_weights(w13, w2)  # auto: [E] is global
+        _assert_matches(layer(x, ids, weights), x, ids, weights, w13, w2)
+        with pytest.raises(
+            EPInputError, match=r"^w13: expected \[S=10, \.\.\.\] this rank's slots"
+        ):
+            layer.load_weights(w13, w2, weights_are="slots")
+        with pytest.raises(EPInputError, match=r"^w13: expected \[E=8, \.\.\.\] global experts"):
+            layer.load_weights(w13[slots], w2[slots], weights_are="global")
+        with pytest.raises(EPInputError, match=r"^weights_are: expected one of 'auto', 'global'"):
+            layer.load_weights(w13, w2, weights_are="shard")
+    finally:
+        layer.close()

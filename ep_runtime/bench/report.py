@@ -96,6 +96,7 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
                 "passed": all(v["passed"] for v in validations),
                 "max_abs_err": max(v["max_abs_err"] for v in validations),
                 "max_rel_err": max(v["max_rel_err"] for v in validations),
+                **({"eplb": case["eplb"]} if "eplb" in case else {}),
             }
         )
     rank_loads = [r["valid_pairs"] for r in ranks]
@@ -250,6 +251,8 @@ def print_report(report: dict, console: Console) -> None:
                 "[green]ok[/]" if result["passed"] else "[red]FAIL[/]",
             )
         console.print(validation)
+        for line in case.get("eplb", {}).get("lines", ()):  # expert load balancing
+            console.print(line, markup=False, highlight=False)
     ranks = _table(
         "Ranks: traffic and memory (the same for every layout)",
         {"rank": "right", "host": "left", "recv rows": "right", "recv MB": "right",

@@ -2,7 +2,7 @@
 before dispatch, per-slot load counts, and rebalancing from measured load (docs/eplb.md)."""
 
 from ep_runtime.eplb.algorithm import balanced_packing, rebalanced_placement, replicate
-from ep_runtime.eplb.balancer import ExpertBalancer
+from ep_runtime.eplb.balancer import ExpertBalancer, WeightSet
 from ep_runtime.eplb.device_map import DeviceMap
 from ep_runtime.eplb.moves import MovePlan, plan_moves
 from ep_runtime.eplb.placement_map import PlacementMap
@@ -17,6 +17,7 @@ __all__ = [
     "MovePlan",
     "PlacementMap",
     "RebalanceReport",
+    "WeightSet",
     "balanced_packing",
     "parse_zipf",
     "plan_moves",

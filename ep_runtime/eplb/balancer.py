@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,17 @@ from ep_runtime.eplb.moves import (
 from ep_runtime.eplb.placement_map import PlacementMap
 from ep_runtime.eplb.stats import LoadStats, RebalanceReport
 from ep_runtime.types import EPInputError, RemoteRankError
+
+
+class WeightSet(Enum):
+    """What ``load_weights`` is given: ``AUTO`` tells by the first dimension (``E``: global,
+    also where ``S == E``; ``S``: slots), ``GLOBAL`` the logical ``[E, …]`` experts,
+    ``SLOTS`` this rank's ``[S, …]`` slots in slot order."""
+
+    AUTO = "auto"
+    GLOBAL = "global"
+    SLOTS = "slots"
+
 
 Reload = Callable[[torch.Tensor, torch.Tensor], None]  # hands slot weights to the experts
 
@@ -91,30 +103,40 @@ class ExpertBalancer:
         return self._w13, self._w2
 
     def select_weights(
-        self, w13: torch.Tensor, w2: torch.Tensor
+        self, w13: torch.Tensor, w2: torch.Tensor, weights_are: WeightSet | str = "auto"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Global ``[E, …]`` weights → this rank's ``[S, …]`` slots (a view where the slots
-        hold a contiguous run of experts, as without redundancy); ``[S, …]`` taken as the
-        slots' weights in slot order. With ``S == E`` the weights are read as global."""
+        hold a contiguous run of experts, as without redundancy); ``[S, …]`` slot weights
+        taken as they are, in slot order. ``weights_are="auto"`` reads ``[E, …]`` as global
+        (also where ``S == E``) and ``[S, …]`` as slots; ``"global"`` or ``"slots"`` says
+        which, and the first dimension must match it."""
+        try:
+            which = WeightSet(weights_are)
+        except ValueError:
+            names = ", ".join(repr(w.value) for w in WeightSet)
+            raise EPInputError("weights_are", f"one of {names}", weights_are) from None
         num_experts, num_slots = self.placement.num_logical, self.slots_per_rank
         if w2.dim() != 3 or w2.size(0) != w13.size(0):
             raise EPInputError(
                 "w2", f"[{w13.size(0)}, H, I] (as many experts as w13)", list(w2.shape)
             )
-        if w13.dim() == 3 and w13.size(0) == num_experts:
+        rows = w13.size(0) if w13.dim() == 3 else None
+        if which is not WeightSet.SLOTS and rows == num_experts:
             experts = self.local_experts
             if list(experts) == list(range(experts[0], experts[0] + num_slots)):
                 start = experts[0]
                 return w13[start : start + num_slots], w2[start : start + num_slots]
             index = torch.tensor(experts, dtype=torch.int64, device=w13.device)
             return w13.index_select(0, index), w2.index_select(0, index)
-        if w13.dim() == 3 and w13.size(0) == num_slots:
+        if which is not WeightSet.GLOBAL and rows == num_slots:
             return w13, w2
-        raise EPInputError(
-            "w13",
-            f"[E={num_experts}, ...] global experts or [S={num_slots}, ...] this rank's slots",
-            list(w13.shape),
-        )
+        expected = {
+            WeightSet.AUTO: f"[E={num_experts}, ...] global experts or [S={num_slots}, ...] "
+            "this rank's slots",
+            WeightSet.GLOBAL: f"[E={num_experts}, ...] global experts (weights_are='global')",
+            WeightSet.SLOTS: f"[S={num_slots}, ...] this rank's slots (weights_are='slots')",
+        }[which]
+        raise EPInputError("w13", expected, list(w13.shape))
 
     def keep_weights(
         self, w13: torch.Tensor, w2: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor]

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
-from ep_runtime.launch import hf_run
+from ep_runtime.launch import hf_run, layer_eplb
 from ep_runtime.launch.layer_run import FAILURE_KINDS, FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import ProgressFactory, RunProgress
@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=FailureInjection.parse,
         help="testing the supervision: make one rank fail at a timed iteration",
     )
+    layer_eplb.add_arguments(parser)
     hf_run.add_arguments(parser)
     return parser
 
@@ -180,7 +181,14 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     except EPInputError as error:
         option = CONFIG_OPTIONS.get(error.argument, error.argument)
         raise ValueError(f"{option}: expected {error.expected}, given {error.given}") from None
-    if model.num_experts % world_size:
+    balance = layer_eplb.checked_options(args, model.num_experts, world_size)
+    if quantization is not None and (balance["redundant_experts"] or balance["rebalance_every"]):
+        raise ValueError(
+            "--redundant-experts: expected 0 and no --rebalance-every with --quantization "
+            f"{quantization} (rebalancing moves unquantized weights only, for now), given "
+            f"{balance['redundant_experts']} (--rebalance-every {balance['rebalance_every']})"
+        )
+    if not balance["redundant_experts"] and model.num_experts % world_size:
         raise ValueError(
             f"--dp: expected a divisor of the {model.num_experts} experts of {model.name}, "
             f"given {world_size}"
@@ -212,6 +220,7 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         baselines=not args.no_baselines,
         inject_failure=args.inject_failure,
         quantization=quantization,
+        **balance,
     )
     return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
@@ -294,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             place = env_rank()
             world_size, reports_here = place.world_size, place.rank == 0
+        layer_eplb.refuse_with_hf_model(args)
         spec = (hf_run.build_spec if args.hf_model else build_spec)(args, world_size)
         if reports_here:
             check_outputs(args)

@@ -4,11 +4,12 @@ on a token sample that regenerates only the experts the sample touches.
 Every tensor comes from its own generator seeded by a stable hash of (seed, what, index), so a
 rank builds only its shard of experts and any rank can rebuild any expert bit for bit. Values
 depend on the device's generator (CPU and CUDA streams differ); a run uses one device type.
-Shapes come from the package's ``MoEConfig`` (``ModelPreset.moe_config``), ownership from
-``ExpertPlacement``; only the router is the preset's own. With ``quantization="fp8_block"`` each
-expert is generated in bf16 and quantized per 128×128 block (``quantize_weight_blocks``); its
-reference is ``reference_moe`` on the dequantized weights with each GEMM's input quantized as the
-contract says (``fake_quantize_activations``).
+Shapes come from the package's ``MoEConfig`` (``ModelPreset.moe_config``), ownership from the
+layer's placement (``eplb.PlacementMap``); only the router is the preset's own. The reference
+regenerates experts by logical id, so it does not depend on where the layer placed them. With
+``quantization="fp8_block"`` each expert is generated in bf16 and quantized per 128×128 block
+(``quantize_weight_blocks``); its reference is ``reference_moe`` on the dequantized weights with
+each GEMM's input quantized as the contract says (``fake_quantize_activations``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from ep_runtime.config import MoEConfig
+from ep_runtime.eplb import PlacementMap, zipf_routing
 from ep_runtime.launch.presets import ModelPreset
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import (
@@ -103,18 +105,38 @@ def rank_shard(
     return (w13, w2), {"w13_scale_inv": s13, "w2_scale_inv": s2}
 
 
-def local_experts(config: MoEConfig, rank: int, world_size: int) -> list[int]:
-    """The expert ids ``rank`` owns (``ExpertPlacement``: a contiguous range)."""
-    placement = ExpertPlacement(config.num_experts, rank, world_size)
-    start = placement.local_expert_offset
-    return list(range(start, start + placement.num_local_experts))
+def slots_hold_experts(
+    config: MoEConfig,
+    slot_weights: tuple[torch.Tensor, torch.Tensor],  # w13 [S, 2I|I, H], w2 [S, H, I]
+    experts: list[int],  # the logical expert of each slot
+    seed: int,
+) -> bool:
+    """Whether every slot holds, bit for bit, the weights of the expert the placement puts
+    there (regenerated one expert at a time)."""
+    w13, w2 = slot_weights
+    for slot, expert in enumerate(experts):
+        want13, want2 = expert_weights(config, expert, seed, w13.device, w13.dtype)
+        if not (torch.equal(w13[slot], want13) and torch.equal(w2[slot], want2)):
+            return False
+    return True
 
 
-def shard_weight_bytes(config: MoEConfig, world_size: int, dtype: torch.dtype) -> int:
-    """Bytes of expert weights one rank holds: ``E/W · (rows·H + H·I)`` elements of ``dtype``
-    (fp8: one byte each, plus an fp32 scale per 128×128 block)."""
+def local_experts(
+    config: MoEConfig, rank: int, world_size: int, num_redundant: int = 0
+) -> list[int]:
+    """The logical expert of each of ``rank``'s slots on the initial placement (without
+    redundant experts the contiguous range ``ExpertPlacement`` gives)."""
+    placement = PlacementMap.initial(config.num_experts, num_redundant, world_size)
+    return list(placement.experts_on_rank(rank))
+
+
+def shard_weight_bytes(
+    config: MoEConfig, world_size: int, dtype: torch.dtype, num_redundant: int = 0
+) -> int:
+    """Bytes of expert weights one rank holds: ``(E + R)/W · (rows·H + H·I)`` elements of
+    ``dtype`` (fp8: one byte each, plus an fp32 scale per 128×128 block)."""
     per_expert = (config.w13_rows + config.intermediate_size) * config.hidden_size
-    num_local = ExpertPlacement(config.num_experts, 0, world_size).num_local_experts
+    num_local = ExpertPlacement(config.num_experts + num_redundant, 0, world_size).num_local_experts
     if config.quantization is not None:
         return num_local * (per_expert + per_expert // BLOCK**2 * 4)
     return num_local * per_expert * dtype.itemsize
@@ -129,9 +151,20 @@ def rank_hidden_states(
 
 
 def rank_routing(
-    model: ModelPreset, rank: int, tokens: int, seed: int, device: torch.device
+    model: ModelPreset,
+    rank: int,
+    tokens: int,
+    seed: int,
+    device: torch.device,
+    zipf: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_ids [T, K] int32, topk_weights [T, K] fp32)`` from the model's own router."""
+    """``(topk_ids [T, K] int32, topk_weights [T, K] fp32)`` from the model's own router, or
+    with ``zipf=S`` skewed: Zipf(S) expert popularity (``eplb.zipf_routing``, seeded)."""
+    if zipf is not None:
+        ids, weights = zipf_routing(
+            tokens, model.num_experts, model.top_k, zipf, seed=seed, rank=rank
+        )
+        return ids.to(device), weights.to(device)
     logits = _randn(
         (tokens, model.num_experts), 1.0, _generator(device, seed, "logits", rank), device
     )

@@ -20,7 +20,6 @@ from ep_runtime import EPMoE
 from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm
 from ep_runtime.bench.metrics import (
     Traffic,
-    destination_rows,
     expert_flops_per_pair,
     expert_token_counts,
     imbalance,
@@ -28,7 +27,8 @@ from ep_runtime.bench.metrics import (
 )
 from ep_runtime.bench.report import build_report, print_report, write_json, write_plot
 from ep_runtime.bench.timing import PhaseClock, PhaseRecorder, max_over_ranks_stats
-from ep_runtime.launch import layer_data
+from ep_runtime.eplb import DeviceMap, LoadStats, LoadSummary, parse_zipf
+from ep_runtime.launch import layer_data, layer_eplb
 from ep_runtime.launch.presets import ModelPreset
 from ep_runtime.launch.spec import RankContext, RunOutcome, RunSpec, Step, Workload, torch_dtype
 from ep_runtime.layer import PHASES as LAYER_PHASES
@@ -38,6 +38,7 @@ from ep_runtime.types import DispatchMode, EPInputError
 PHASES = (*LAYER_PHASES, "layer")
 GRAPH_PHASE = "layer_graph"  # capacity mode on CUDA: the layer replayed as a captured CUDA graph
 FAILURE_KINDS = ("raise", "input", "exit", "kill", "hang")
+RANK_ONLY = ("times", "rebalances", "validation_before_rebalance")  # a case's, not summarised
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,18 @@ class LayerWorkload(Workload):
     baselines: bool = True
     inject_failure: FailureInjection | None = None
     quantization: str | None = None  # "fp8_block": e4m3 expert weights with 128×128 block scales
+    routing: str = "model"  # or "zipf:S" (layer_eplb)
+    redundant_experts: int = 0
+    rebalance_every: int | None = None  # iterations, warm-up and timed
+
+    @property
+    def balances_load(self) -> bool:
+        """The report shows the expert load (skewed routing, redundant slots or rebalancing)."""
+        return bool(
+            self.redundant_experts
+            or self.rebalance_every is not None
+            or parse_zipf(self.routing) is not None
+        )
 
     def plan(self) -> list[Step]:
         steps = [Step("setup", (), 1, "weights and inputs")]
@@ -132,6 +145,7 @@ class LayerRankWorker:
         self.graph_out: torch.Tensor | None = None  # [T, H] the graph's static output
         self.case = -1
         self.cases: list[dict] = []
+        self.slot_counts: list[int] | None = None  # per forward, the last window (balancing)
 
     def setup(self) -> None:
         """Inputs and routing of this rank and the global routing counts."""
@@ -145,18 +159,30 @@ class LayerRankWorker:
             config, self.rank, tokens, run.seed, device, self.dtype
         )
         self.topk_ids, self.topk_weights = layer_data.rank_routing(
-            model, self.rank, tokens, run.seed, device
+            model, self.rank, tokens, run.seed, device, zipf=parse_zipf(run.routing)
         )
-        self.local_experts = layer_data.local_experts(config, self.rank, world_size)
+        self.local_experts = layer_data.local_experts(
+            config, self.rank, world_size, run.redundant_experts
+        )
         per_rank_counts = self.comm.all_gather_object(
             expert_token_counts(self.topk_ids, model.num_experts)
         )
         self.expert_counts = [sum(column) for column in zip(*per_rank_counts, strict=True)]
-        rows = self.comm.all_gather_object(
-            destination_rows(self.topk_ids, model.num_experts, world_size)
+        self.pairs_per_forward = sum(self.expert_counts)  # over all ranks
+        initial = layer_eplb.initial_device_map(
+            model.num_experts, run.redundant_experts, world_size, device
         )
-        self.traffic = Traffic(rows=rows, row_bytes=model.hidden_size * self.dtype.itemsize)
+        self._set_traffic(initial)
         self.timed_iterations = 0
+
+    def _set_traffic(self, device_map: DeviceMap) -> None:
+        """Rows between ranks under the placement of ``device_map`` (collective)."""
+        destinations = layer_eplb.physical_destinations(
+            self.topk_ids, device_map, self.rank, self.context.spec.world_size
+        )
+        rows = self.comm.all_gather_object(destinations)
+        hidden = self.workload.model.hidden_size
+        self.traffic = Traffic(rows=rows, row_bytes=hidden * self.dtype.itemsize)
 
     def build(self, case: int) -> dict:
         """Construct the layer for ``layouts[case]`` and load this rank's shard."""
@@ -169,13 +195,17 @@ class LayerRankWorker:
             layout=run.layouts[case],
             mode=run.mode,
             max_tokens_per_rank=self.config.max_tokens_per_rank,
+            num_redundant_experts=run.redundant_experts,
         )
-        # this rank's shard only, [L, ...]; regenerated per layer and not kept here, so a backend
+        self.iterations = 0
+        self.load_before: LoadStats | None = None
+        self.local_experts = list(self.layer.placement.experts_on_rank(self.rank))
+        # this rank's slots only, [S, ...]; regenerated per layer and not kept here, so a backend
         # that converts the weights holds the only copy
         shard, scales = layer_data.rank_shard(
             self.config, self.local_experts, run.seed, self.device, self.dtype
         )
-        self.layer.load_weights(*shard, **scales)
+        self.layer.load_weights(*shard, weights_are="slots", **scales)
         self.expert_weight_bytes = sum(w.nbytes for w in (*shard, *scales.values()))
         del shard, scales
         self.graph = self._capture_graph()
@@ -190,6 +220,7 @@ class LayerRankWorker:
                 "refused": dict(choice.refused),
                 "choice": choice.describe(),
                 "times": {phase: [] for phase in phases},
+                "rebalances": [],
             }
         )
         return {"choice": choice.describe()}
@@ -220,10 +251,59 @@ class LayerRankWorker:
                 times["layer"].append(t_layer)
                 if self.graph is not None:
                     times[GRAPH_PHASE].append(t_graph)
+            self.iterations += 1
+            every = self.workload.rebalance_every
+            if every is not None and self.iterations % every == 0:
+                self._rebalance()
+
+    def _window_load(self) -> LoadStats:
+        """The load per forward since the last rebalance (or the build), on the current map
+        (collective); kept as this rank's slot counts."""
+        layer = self._layer()
+        load = layer_eplb.per_forward(layer.expert_load(), self.pairs_per_forward)
+        slots = load[list(layer.placement.slots_of_rank(self.rank))]
+        self.slot_counts = [round(float(count)) for count in slots]
+        return LoadStats.of_slots(load, layer.placement)
+
+    def _rebalance(self) -> None:
+        """Between iterations, on every rank: validate the first placement before the first
+        rebalance, then rebalance from the window's load and re-read the placement."""
+        layer, case = self._layer(), self.cases[self.case]
+        if self.load_before is None:
+            case["validation_before_rebalance"] = self._validation()
+            self.load_before = self._window_load()
+        case["rebalances"].append(layer.rebalance())
+        self.local_experts = list(layer.placement.experts_on_rank(self.rank))
+        if self.graph is not None:  # a backend that converts the weights needs a new capture
+            self.graph = self._capture_graph()
 
     def validate(self) -> dict:
-        """Layer output on a token sample vs ``reference_moe`` (only the experts it touches), and
-        the phase-timed forward's output vs this one's, bitwise (combine is deterministic)."""
+        """``_validation`` of the final placement (and, where the layer was rebalanced, of the
+        first one, done before the first rebalance); with load balancing the load summary and
+        the traffic of the final placement."""
+        case = self.cases[self.case]
+        result = self._validation()
+        before = case.get("validation_before_rebalance")
+        if before is not None:
+            result["before_rebalance"] = before
+            result["passed"] = result["passed"] and before["passed"]
+            for key in ("max_abs_err", "max_rel_err"):
+                result[key] = max(result[key], before[key])
+        case["validation"] = result
+        rebalances = tuple(case["rebalances"])
+        if self.workload.balances_load:
+            after = self._window_load()
+            summary = LoadSummary(
+                self.load_before or after, after if rebalances else None, rebalances
+            )
+            case["eplb"] = layer_eplb.summary_json(summary)
+            self._set_traffic(self._layer().eplb.device_map)
+        return result
+
+    def _validation(self) -> dict:
+        """Layer output on a token sample vs ``reference_moe`` (only the experts it touches), the
+        phase-timed forward's output vs this one's, bitwise (combine is deterministic), and the
+        weights in this rank's slots vs the experts the placement puts there."""
         layer, run, model = self._layer(), self.workload, self.workload.model
         out = layer(self.x, self.topk_ids, self.topk_weights)  # [T, H]
         layer.phase_timer = PhaseRecorder(self.clock)  # the path run_iters times
@@ -250,8 +330,13 @@ class LayerRankWorker:
         if self.graph is not None:
             self.graph.replay()
             deterministic = deterministic and torch.equal(out, self.graph_out)
+        slots_hold_their_experts = None  # checked where the layer places experts itself
+        if run.balances_load and self.config.quantization is None:
+            slots_hold_their_experts = layer_data.slots_hold_experts(
+                self.config, layer.eplb.slot_weights, self.local_experts, run.seed
+            )
         result = {
-            "passed": comparison.passed and deterministic,
+            "passed": comparison.passed and deterministic and slots_hold_their_experts is not False,
             "max_abs_err": comparison.max_abs_error,
             "max_rel_err": comparison.max_relative_error,
             "tolerance": tolerance,
@@ -259,9 +344,10 @@ class LayerRankWorker:
             "finite": comparison.finite,
             "deterministic": deterministic,
             "experts_regenerated": len(touched),
+            "slots_hold_their_experts": slots_hold_their_experts,
+            "placement": list(self.local_experts),
             "verdict": comparison.describe(),
         }
-        self.cases[self.case]["validation"] = result
         return result
 
     def close_case(self) -> None:
@@ -291,7 +377,7 @@ class LayerRankWorker:
         """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
         run, model = self.workload, self.workload.model
         iters, warmup = max(1, run.iters), run.warmup
-        num_pairs = sum(self.expert_counts[e] for e in self.local_experts)
+        num_pairs = sum(self._local_counts())
         self.baseline_times = {
             "a2a_dispatch": time_all_to_all(
                 self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup
@@ -314,7 +400,7 @@ class LayerRankWorker:
     def summarize(self) -> dict:
         """This rank's results plus the cross-rank phase statistics (identical on every rank)."""
         comm, model = self.comm, self.workload.model
-        local_counts = [self.expert_counts[e] for e in self.local_experts]
+        local_counts = self._local_counts()
         cases = []
         for case in self.cases:
             gathered = comm.all_gather_object(case["times"])
@@ -322,7 +408,8 @@ class LayerRankWorker:
                 phase: max_over_ranks_stats([times[phase] for times in gathered]).to_json()
                 for phase in case["times"]
             }
-            cases.append({k: v for k, v in case.items() if k != "times"} | {"phases": stats})
+            kept = {k: v for k, v in case.items() if k not in RANK_ONLY}
+            cases.append(kept | {"phases": stats})
         baselines = {}
         for name, times in getattr(self, "baseline_times", {}).items():
             baselines[name] = max_over_ranks_stats(comm.all_gather_object(times)).to_json()
@@ -338,7 +425,7 @@ class LayerRankWorker:
             "valid_pairs": sum(local_counts),
             "expert_flops": sum(local_counts)
             * expert_flops_per_pair(model.hidden_size, model.intermediate_size, gated),
-            "local_experts": [self.local_experts[0], self.local_experts[-1] + 1],
+            "local_experts": self._local_expert_ids(),
             "local_expert_counts": local_counts,
             "expert_imbalance": imbalance(local_counts),
             "expert_weight_bytes": self.expert_weight_bytes,
@@ -349,6 +436,20 @@ class LayerRankWorker:
             "traffic_rows": self.traffic.rows,
             "baselines": baselines,
         }
+
+    def _local_counts(self) -> list[int]:
+        """(token, expert) pairs per local expert, or with load balancing per slot as measured
+        in the last window (the last layout's), one forward's worth."""
+        if self.slot_counts is not None:
+            return self.slot_counts
+        return [self.expert_counts[e] for e in self.local_experts]
+
+    def _local_expert_ids(self) -> list[int]:
+        """``[first, last + 1)`` of the local experts; with load balancing the logical expert of
+        each slot (the last layout's final placement)."""
+        if self.workload.balances_load:
+            return list(self.local_experts)
+        return [self.local_experts[0], self.local_experts[-1] + 1]
 
     def close(self) -> None:
         if self.layer is not None:

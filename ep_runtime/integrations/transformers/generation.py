@@ -5,7 +5,7 @@ and the wall time spent inside the EP blocks."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -38,11 +38,14 @@ def greedy_generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     time_moe: bool = True,
+    on_step: Callable[[int], None] | None = None,
 ) -> GreedyResult:
     """Greedy decoding of one request (``prompt``: token ids; ``None`` or empty: no request), in
     lockstep with the other ranks: each step all ranks agree (one tiny all-reduce) whether anyone
     still generates; a rank with nothing to run runs every MoE block on zero tokens instead, so
     every MoE collective has all ranks in it. Prompt and generation lengths may differ per rank.
+    ``on_step(step)`` runs after each lockstep step on every rank, at the same point everywhere
+    (so it may call collectives, such as each EP layer's ``rebalance()``).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise EPInputError("max_new_tokens", "an int >= 0", max_new_tokens)
@@ -62,6 +65,8 @@ def greedy_generate(
     started = time.perf_counter()
     with torch.no_grad(), clock or nullcontext():
         while True:
+            if on_step is not None and steps:
+                on_step(steps)  # after step `steps`, before the group decides to go on
             finished = bool(tokens) and (len(tokens) >= max_new_tokens or tokens[-1] in stop_ids)
             active = has_request and not finished
             if not report.anyone(active):

@@ -109,7 +109,7 @@ class PatchReport:
     rank: int
     world_size: int
     num_experts: int
-    local_experts: range  # this rank's expert ids
+    local_experts: range | tuple[int, ...]  # logical expert per slot when patched
     expert_params_kept: int  # elements of this rank's expert shards, all blocks
     expert_params_freed: int  # elements of the HF expert tensors released, all blocks
     group: dist.ProcessGroup | None = field(repr=False, default=None)
@@ -145,11 +145,24 @@ class PatchReport:
         classes = sorted({block.hf_class for block in self.blocks})
         return (
             f"{len(self.blocks)} {'/'.join(classes)} blocks → EPMoE on rank "
-            f"{self.rank}/{self.world_size}: experts [{self.local_experts.start}, "
-            f"{self.local_experts.stop}) of {self.num_experts}; expert parameters kept "
+            f"{self.rank}/{self.world_size}: experts {_describe_experts(self.local_experts)} "
+            f"of {self.num_experts}; expert parameters kept "
             f"{self.expert_params_kept:,}, freed {self.expert_params_freed:,}; "
             f"{self.choice.splitlines()[0]}"
         )
+
+
+def _describe_experts(experts: range | tuple[int, ...]) -> str:
+    if isinstance(experts, range):
+        return f"[{experts.start}, {experts.stop})"
+    return f"{list(experts)} (one per slot)"
+
+
+def _slot_experts(experts: tuple[int, ...]) -> range | tuple[int, ...]:
+    """The logical expert of each slot: a range where they run contiguously (always without
+    redundant experts, before a rebalance), else the tuple."""
+    run = range(experts[0], experts[0] + len(experts))
+    return run if tuple(run) == experts else experts
 
 
 def tensor_bytes(obj: object) -> int:
@@ -200,7 +213,8 @@ def patch_moe_blocks(
     """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
     (``None``: the default group if initialised, else a world of 1), keeping only this rank's
     expert shard and freeing the HF expert tensors. ``layer_options`` go to ``EPMoE``
-    (dispatcher, experts, layout, mode, max_tokens_per_rank, device). Every rank must call it on
+    (dispatcher, experts, layout, mode, max_tokens_per_rank, device, num_redundant_experts,
+    eplb_interval). Every rank must call it on
     the same model (it builds EP layers, which agree on backends collectively). Move and cast
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
     them where they are. ``expert_weights`` gives each block's local experts (default: the
@@ -245,7 +259,9 @@ def patch_moe_blocks(
             }
         )
         with torch.no_grad():  # [S, 2I, H], [S, H, I]
-            ep.load_weights(*expert_weights(name, w13, w2, local), **shard_scales)
+            ep.load_weights(
+                *expert_weights(name, w13, w2, local), weights_are="slots", **shard_scales
+            )
         replacement = EPMoEBlock(
             gate=block.gate,
             ep=ep,
@@ -266,7 +282,7 @@ def patch_moe_blocks(
         rank=first.comm.rank,
         world_size=first.comm.world_size,
         num_experts=first.config.num_experts,
-        local_experts=range(first.eplb.local_experts[0], first.eplb.local_experts[-1] + 1),
+        local_experts=_slot_experts(first.eplb.local_experts),
         expert_params_kept=kept,
         expert_params_freed=freed,
         group=first.comm.group,
