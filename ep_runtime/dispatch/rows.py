@@ -7,8 +7,8 @@ contract's ``q(x)``: e4m3 values and fp32 scales per 128 columns, quantized in p
 the experts as they arrive; combine stays in the compute dtype). The receiver keeps the slots
 it serves and, for EXPANDED, regroups one row per (token, local expert), ordered by (expert,
 source rank, token). Before sending back it pre-reduces a token's local rows in fp32 into the
-row the token arrived in, and writes its status into each chunk's header; the source sums a token's per-rank results in fp32 in
-rank order (no atomics: two runs are bitwise equal).
+row the token arrived in, and writes its status into each chunk's header; the source sums a
+token's per-rank results in fp32 in rank order (no atomics: two runs are bitwise equal).
 
 exact: chunks are sized from the headers (one host read per forward, plus one for the combine
 statuses); capacity: every chunk holds ``cap`` token rows, nothing is read on the host on CUDA.
