@@ -154,7 +154,9 @@ class LayerRankWorker:
         rows = self.comm.all_gather_object(
             destination_rows(self.topk_ids, model.num_experts, world_size)
         )
-        self.traffic = Traffic(rows=rows, row_bytes=model.hidden_size * self.dtype.itemsize)
+        self.traffic = Traffic.of_layer(
+            rows, model.hidden_size, self.dtype, config.top_k, config.quantization is not None
+        )
         self.timed_iterations = 0
 
     def build(self, case: int) -> dict:
