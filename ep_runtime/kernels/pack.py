@@ -114,6 +114,7 @@ def _pack_kernel(
     header_elements,  # hidden elements the header overlays in a chunk's first row
     scales_word,  # first fp32 word of the scales in a row (QUANTIZED)
     POISON: tl.constexpr,
+    FILLER_CODE: tl.constexpr,  # e4m3 code of filler hidden (QUANTIZED): 0, or NaN (POISON)
     QUANTIZED: tl.constexpr,  # e4m3 hidden and scales: BLOCK_H a multiple of GROUP
     GROUP: tl.constexpr,
     X_UNIT: tl.constexpr,
@@ -147,9 +148,8 @@ def _pack_kernel(
     if QUANTIZED:  # per 128-column group: e4m3 codes (as bytes) and the group's scale
         groups: tl.constexpr = BLOCK_H // GROUP
         codes, scale = quantize_groups(tl.reshape(values.to(tl.float32), (groups, GROUP)), 1)
-        filler_code = E4M3_NAN if POISON else 0
         bits = tl.reshape(codes.to(tl.uint8, bitcast=True), (BLOCK_H,))
-        bits = tl.where(is_token, bits, filler_code).to(tl.uint8)
+        bits = tl.where(is_token, bits, FILLER_CODE).to(tl.uint8)
         tl.store(send_hidden + row64 * row_units * ROW_UNIT + h, bits, mask=keep)
         scale = tl.where(is_token, scale, float("nan") if POISON else 0.0)
         g = block * groups + tl.arange(0, groups)
@@ -230,6 +230,7 @@ def triton_pack_rows(
         header_elements=-(-HEADER_BYTES // wire_itemsize),
         scales_word=hidden_size // 4 if quantized else 0,
         POISON=poison,
+        FILLER_CODE=E4M3_NAN if poison else 0,
         QUANTIZED=quantized,
         GROUP=BLOCK,
         X_UNIT=x_unit,
