@@ -109,6 +109,7 @@ class LayerSpec:
             dtype=self.dtype,
             mode=self.mode,
             poison=self.poison,
+            quantization=self.config.quantization,
         )
 
     def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:

@@ -53,7 +53,9 @@ def check_block_shapes(hidden_size: int, intermediate_size: int) -> None:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    """``max(amax, 1e-10) / 448``, correctly rounded: the divisor is a tensor on amax's device,
+    since torch on CUDA multiplies by the reciprocal of a Python-number divisor (off by an ulp)."""
+    return amax.clamp_min(AMAX_FLOOR) / amax.new_full((), FP8_MAX)
 
 
 def _to_fp8(values: torch.Tensor) -> torch.Tensor:

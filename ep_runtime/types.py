@@ -46,12 +46,15 @@ class Dispatched:
     experts' output rows for padding are never read.
     """
 
-    hidden_states: torch.Tensor  # [R, H] received rows, compute dtype (may be a strided view)
+    hidden_states: torch.Tensor  # [R, H] received rows, compute dtype or e4m3 (may be strided)
     topk_ids: torch.Tensor  # [R, K'] int32 global ids, -1 = slot not served here
     topk_weights: torch.Tensor  # [R, K'] float32 (read only where the id is not -1)
     layout: TopkLayout
     expert_offsets: torch.Tensor | None  # [L + 1] int32 group starts (EXPANDED), else None
     handle: Any = None  # backend-private, consumed by combine
+    # fp8 dispatch: [R, H/128] fp32 scales of e4m3 ``hidden_states`` (the contract's q(x), one
+    # per token and 128 columns); None: the rows are in the compute dtype
+    hidden_states_scale: torch.Tensor | None = None
 
     @property
     def top_k(self) -> int:

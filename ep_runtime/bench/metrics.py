@@ -3,7 +3,9 @@ peak memory a rank used.
 
 Wire rows: a token travels once to each rank owning at least one of its experts
 (docs/architecture.md, "Wire format"), so a rank receives one row per (source token, this rank)
-pair, its own tokens included.
+pair, its own tokens included, as one packed row of ``kernels/layout.py``'s ``RowFormat``
+(``hidden | ids | weights``; with fp8 dispatch ``e4m3 hidden | fp32 scales | ids | weights``);
+combine sends the results back in the compute dtype.
 Expert work: one (token, expert) pair per valid slot.
 """
 
@@ -13,6 +15,8 @@ import resource
 from dataclasses import dataclass
 
 import torch
+
+from ep_runtime.kernels.layout import RowFormat
 
 
 def destination_rows(topk_ids: torch.Tensor, num_experts: int, world_size: int) -> list[int]:
@@ -43,12 +47,26 @@ def expert_flops_per_pair(hidden: int, intermediate: int, gated: bool) -> int:
     return 2 * hidden * w13_rows + 2 * intermediate * hidden
 
 
+def dispatch_row_bytes(hidden: int, dtype: torch.dtype, max_top_k: int, quantized: bool) -> int:
+    """Bytes of one dispatched token row on the row transport (``RowFormat.row_bytes``)."""
+    return RowFormat(hidden, dtype, max_top_k, quantized=quantized).row_bytes
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Rows between ranks: ``rows[s][d]`` = tokens of rank s sent to rank d (one row each)."""
 
     rows: list[list[int]]
-    row_bytes: int  # hidden payload only: H · itemsize (ids/weights metadata not counted)
+    row_bytes: int  # one dispatch row (dispatch_row_bytes: hidden or q(x), ids, weights)
+    combine_row_bytes: int | None = None  # one combine row (H · itemsize); None: row_bytes
+
+    @classmethod
+    def of_layer(
+        cls, rows: list[list[int]], hidden: int, dtype: torch.dtype, max_top_k: int, fp8: bool
+    ) -> Traffic:
+        """The rows of a layer whose dispatch sends fp8 rows when ``fp8`` (combine: dtype)."""
+        row_bytes = dispatch_row_bytes(hidden, dtype, max_top_k, quantized=fp8)
+        return cls(rows, row_bytes, combine_row_bytes=hidden * dtype.itemsize)
 
     def received_rows(self, rank: int) -> int:
         return sum(source[rank] for source in self.rows)
@@ -58,8 +76,9 @@ class Traffic:
         return self.received_rows(rank) * self.row_bytes
 
     def combine_bytes(self, rank: int) -> int:
-        """Combine: the same rows go back, so the same bytes as dispatch receives (DeepEP)."""
-        return self.dispatch_received_bytes(rank)
+        """Combine: the same rows go back (DeepEP's definition), each ``combine_row_bytes``."""
+        per_row = self.row_bytes if self.combine_row_bytes is None else self.combine_row_bytes
+        return self.received_rows(rank) * per_row
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -358,7 +358,8 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
         """DeepEP's combine (an unweighted bf16 sum: the experts applied the router weights),
         then every rank's status in a ``[W, HEADER_INTS]`` all-to-all."""
         if expert_output is None:
-            expert_output = torch.zeros_like(dispatched.hidden_states)
+            shape = dispatched.hidden_states.shape
+            expert_output = torch.zeros(shape, dtype=self.setup.dtype, device=self.comm.device)
         combined, _, _ = self.buffer.combine(expert_output.contiguous(), handle.buffer_handle)
         combined = combined[: handle.num_tokens]  # [T, H]
         if status is None:

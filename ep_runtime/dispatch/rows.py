@@ -2,11 +2,13 @@
 
 Wire format (``kernels/layout.py``): a token travels once to each rank owning at least one of its
 experts, as one byte row ``hidden | ids int32 [K_max] | weights fp32 [K_max]``, in per-peer
-chunks of header rows then token rows. The receiver keeps the slots it serves and, for EXPANDED,
-regroups one row per (token, local expert), ordered by (expert, source rank, token). Before
-sending back it pre-reduces a token's local rows in fp32 into the row the token arrived in, and
-writes its status into each chunk's header; the source sums a token's per-rank results in fp32 in
-rank order (no atomics: two runs are bitwise equal).
+chunks of header rows then token rows (with fp8 block-scaled experts the hidden part is the
+contract's ``q(x)``: e4m3 values and fp32 scales per 128 columns, quantized in pack, handed to
+the experts as they arrive; combine stays in the compute dtype). The receiver keeps the slots
+it serves and, for EXPANDED, regroups one row per (token, local expert), ordered by (expert,
+source rank, token). Before sending back it pre-reduces a token's local rows in fp32 into the
+row the token arrived in, and writes its status into each chunk's header; the source sums a
+token's per-rank results in fp32 in rank order (no atomics: two runs are bitwise equal).
 
 exact: chunks are sized from the headers (one host read per forward, plus one for the combine
 statuses); capacity: every chunk holds ``cap`` token rows, nothing is read on the host on CUDA.
@@ -55,7 +57,12 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
 
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
         super().__init__(setup, peer_setup)
-        self.row_format = RowFormat(setup.hidden_size, setup.dtype, setup.max_top_k)
+        self.row_format = RowFormat(
+            setup.hidden_size,
+            setup.dtype,
+            setup.max_top_k,
+            quantized=setup.quantization is not None,
+        )
         capacity = None if setup.mode is DispatchMode.EXACT else setup.max_tokens_per_rank
         self.chunks = ChunkLayout(header_rows_for(setup.hidden_size, setup.dtype), capacity)
         self.local = self.placement.local
@@ -89,7 +96,9 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             recv_total = send.size(0)
             grouped_rows = recv_total * min(top_k, self.local.count)
         recv = self._exchange(Phase.DISPATCH, send, agreed.sent_rows, send_splits, recv_splits)
-        hidden = self.row_format.hidden(recv)  # [R, H] views into the received bytes
+        row_format = self.row_format
+        hidden = row_format.hidden(recv)  # [R, H] views into the received bytes
+        scale = row_format.scales(recv) if row_format.quantized else None  # [R, H/128]
         ids = self.row_format.ids(recv, top_k)
         weights = self.row_format.weights(recv, top_k)
         handle = RowHandle(
@@ -105,9 +114,11 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             served = self.ops.local_ids(
                 ids, local_offset=self.local.offset, num_local=self.local.count
             )
-            return Dispatched(hidden, served, weights, layout, None), handle
+            return Dispatched(
+                hidden, served, weights, layout, None, hidden_states_scale=scale
+            ), handle
         grouped = self.ops.group_rows(
-            hidden,
+            row_format.payload_words(recv) if row_format.quantized else hidden,
             ids,
             weights,
             local_offset=self.local.offset,
@@ -115,12 +126,16 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             num_rows=grouped_rows,
             poison=self.setup.poison,
         )
+        grouped_hidden, grouped_scale = grouped.hidden, None
+        if row_format.quantized:  # e4m3 values and scales regrouped together, bit for bit
+            grouped_hidden, grouped_scale = row_format.split_payload(grouped.hidden)
         dispatched = Dispatched(
-            grouped.hidden,
+            grouped_hidden,
             grouped.ids.unsqueeze(1),
             grouped.weights.unsqueeze(1),
             layout,
             grouped.offsets,
+            hidden_states_scale=grouped_scale,
         )
         return dispatched, dataclasses.replace(handle, grouped_positions=grouped.positions)
 

@@ -10,6 +10,7 @@ import torch
 from ep_runtime.comm import Comm, PeerIdentity
 from ep_runtime.dispatch.protocol import Checks
 from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import Quantization
 from ep_runtime.types import DispatchMode, TopkLayout
 
 DEVICE_CHECKS_ENV = "EP_RUNTIME_CHECKS_ON_DEVICE"
@@ -50,6 +51,9 @@ class DispatchSetup:
     dtype: torch.dtype
     mode: DispatchMode
     poison: bool = False  # debug: NaN in padding rows and filler
+    # fp8 block-scaled experts: rows travel as the contract's q(x), e4m3 and per-128-column
+    # scales (Dispatched.hidden_states_scale), where the dispatcher can send them
+    quantization: Quantization | None = None
 
     @property
     def placement(self) -> ExpertPlacement:

@@ -166,11 +166,13 @@ class TorchSymmMemDispatcher(RowDispatcher):
 
     def _filler_row(self) -> torch.Tensor:
         """``[1, row_bytes]`` uint8: what ``pack_rows`` writes in rows without a token (hidden 0,
-        NaN in poison mode; ids -1; weights 0)."""
+        NaN in poison mode, the scales too when quantized; ids -1; weights 0)."""
         row = torch.zeros(1, self.row_format.row_bytes, dtype=torch.uint8, device=self.comm.device)
         self.row_format.ids(row, self.setup.max_top_k).fill_(-1)
         if self.setup.poison:
             self.row_format.hidden(row).fill_(float("nan"))
+            if self.row_format.quantized:
+                self.row_format.scales(row).fill_(float("nan"))
         return row
 
     # ----------------------------------------------------------------- the steps that differ

@@ -146,21 +146,24 @@ class FlashInferTrtllmExperts(Experts):
             intermediate_size=intermediate,
         )
 
-    def activation_args(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+    def activation_args(
+        self, hidden_states: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The kernel's activation arguments for ``hidden_states [R, H]`` (R > 0); quantised
-        variants return their quantised rows and scales."""
+        variants return their quantised rows and scales (``scale [R, H/128]``: the rows arrived
+        quantized, fp8 dispatch)."""
         return {"hidden_states": hidden_states}
 
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden_states = dispatched.hidden_states.contiguous()  # [R, H]
-        out = torch.empty_like(hidden_states)  # the kernel writes every row
+        out = torch.empty(hidden_states.shape, dtype=self.setup.dtype, device=hidden_states.device)
         if hidden_states.size(0) == 0:
             return out
         ids, weights = kernel_routing(dispatched)  # [R, K'] int32, [R, K'] fp32
         placement = self.placement
         trtllm_kernel(self.kernel_name)(
             topk_ids=(ids, weights),
-            **self.activation_args(hidden_states),
+            **self.activation_args(hidden_states, dispatched.hidden_states_scale),
             gemm1_weights=self.weights.gemm1,
             gemm2_weights=self.weights.gemm2,
             num_experts=placement.num_experts,

@@ -106,6 +106,11 @@ class FlashInferTrtllmFp8Experts(FlashInferTrtllmExperts):
             },
         )
 
-    def activation_args(self, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, scale = quantize_activations(hidden_states)  # [R, H] e4m3, [R, H/128] fp32
+    def activation_args(
+        self, hidden_states: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        if scale is None:
+            q, scale = quantize_activations(hidden_states)  # [R, H] e4m3, [R, H/128] fp32
+        else:  # fp8 dispatch: the rows arrived as q(x)
+            q = hidden_states
         return {"hidden_states": q, "hidden_states_scale": scale.t().contiguous()}

@@ -14,6 +14,12 @@ expert bucket once and cached; buffers grow to the largest forward seen and are 
 On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: slow, for tests), and
 ``"auto"`` picks it only where it was measured faster than ``grouped_mm``: SM90, at most 512
 tokens per rank (decode-sized layers).
+
+With fp8 block-scaled weights (``quantization="fp8_block"``) the same four (two) launches run
+the fp8 GEMMs of ``kernels/expert_gemm_fp8.py`` on ``q(x)``: the dispatched e4m3 rows and their
+scales as they arrive (fp8 dispatch), else one more launch quantizes the rows first
+(``kernels/fp8_quant.py``). GEMM1's epilogue writes ``q(act)`` for GEMM2; the output is the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from ep_runtime.experts.base import (
     ExpertsSetup,
     cuda_arch,
 )
+from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -50,7 +58,9 @@ class TritonExperts(Experts):
         activations=frozenset(Activation),
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.STANDARD,
-        description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2",
+        quantizations=frozenset({None, Quantization.FP8_BLOCK}),
+        description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2 "
+        "(fp8 block scales: applied per 128-deep k-step)",
     )
     auto_priority = 15
     # where "auto" may pick it: measured faster than grouped_mm on the H200 (BENCHMARKS.md) at
@@ -67,6 +77,8 @@ class TritonExperts(Experts):
         arch = cuda_arch(setup.device)
         if arch is not None and arch < 80:
             return f"needs SM80+ (bf16 tensor cores), this device is SM{arch}"
+        if setup.config.quantization is not None and arch is not None and arch < 89:
+            return f"fp8 block scales need SM89+ (e4m3 tensor cores), this device is SM{arch}"
         return None
 
     @classmethod
@@ -85,9 +97,18 @@ class TritonExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import expert_gemm, expert_rows, expert_tiles
+        from ep_runtime.kernels import (
+            expert_gemm,
+            expert_gemm_fp8,
+            expert_rows,
+            expert_tiles,
+            fp8_quant,
+        )
 
         self._gemm = expert_gemm
+        self._gemm_fp8 = expert_gemm_fp8
+        self._quant = fp8_quant
+        self.fp8: Fp8BlockWeights | None = None
         self._rows = expert_rows
         self._tiles = expert_tiles
         self.gated = self.activation.is_gated
@@ -106,15 +127,26 @@ class TritonExperts(Experts):
         self.w13 = w13.contiguous()  # [L, 2I | I, H]
         self.w2 = w2.contiguous()  # [L, H, I]
 
+    def load_quantized_weights(self, weights: Fp8BlockWeights) -> None:
+        self.fp8 = weights  # e4m3 and fp32 block scales, contiguous (Fp8BlockWeights.to)
+
     def workspace_bytes(self, max_rows: int) -> int:
         """STANDARD at K = top_k: pair indices, the activation, the per-pair results and the
         output; EXPANDED needs less (no pairs, no per-pair results)."""
         pairs = max_rows * self.config.top_k
         element = self.setup.dtype.itemsize
+        if self.config.quantization is None:
+            activation = element * pairs * self.intermediate
+            quantized_rows = 0
+        else:  # e4m3 act and its scales; the rows quantized here when they arrive unquantized
+            activation = pairs * (self.intermediate + self.intermediate // BLOCK * 4)
+            quantized_rows = max_rows * (self.hidden + self.hidden // BLOCK * 4)
         return (
             4 * (pairs + self.num_local + 1)
-            + element * pairs * (self.intermediate + self.hidden)
+            + activation
+            + element * pairs * self.hidden
             + element * max_rows * self.hidden
+            + quantized_rows
         )
 
     def _buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,6 +161,12 @@ class TritonExperts(Experts):
         """(up, down) tile configs for about ``served_pairs`` grouped rows (cached per bucket)."""
         bucket = self._tiles.rows_bucket(served_pairs, self.num_local)
         configs = self._configs.get(bucket)
+        if configs is None and self.fp8 is not None:
+            configs = tuple(
+                self._tiles.heuristic_fp8(gemm, served_pairs, self.num_local, self.interpret)
+                for gemm in ("up", "down")
+            )
+            self._configs[bucket] = configs
         if configs is None:
             select = self._tiles.select
             common = {"rows": served_pairs, "interpret": self.interpret}
@@ -155,10 +193,78 @@ class TritonExperts(Experts):
             self._configs[bucket] = configs
         return configs
 
+    def _quantized_rows(self, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q(x)``: ``([R, H] e4m3, [R, H/128] fp32)``, as dispatched or quantized here."""
+        hidden = dispatched.hidden_states
+        if dispatched.hidden_states_scale is not None:
+            return hidden, dispatched.hidden_states_scale
+        rows = hidden.size(0)
+        q = self._buffer("x_q", rows, self.hidden, FP8_DTYPE)
+        s = self._buffer("x_s", rows, self.hidden // BLOCK, torch.float32)
+        return self._quant.quantize_rows(hidden, q, s)
+
+    def _up(
+        self,
+        dispatched: Dispatched,
+        offsets: torch.Tensor,  # [L + 1] int32
+        pairs: torch.Tensor | None,  # [P] int32 (STANDARD) or None (EXPANDED)
+        num_grouped: int,  # P
+        top_k: int,
+        config: TileConfig,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """GEMM1 into reused buffers: ``act [P, I]`` (bf16 path) or ``(q(act) [P, I] e4m3,
+        scales [P, I/128] fp32)`` (fp8 path)."""
+        if self.fp8 is None:
+            act = self._buffer("act", num_grouped, self.intermediate, self.setup.dtype)
+            return self._gemm.expert_up(
+                dispatched.hidden_states,
+                self.w13,
+                offsets,
+                pairs,
+                act,
+                top_k=top_k,
+                gated=self.gated,
+                config=config,
+            )
+        act_q = self._buffer("act_q", num_grouped, self.intermediate, FP8_DTYPE)
+        act_s = self._buffer("act_s", num_grouped, self.intermediate // BLOCK, torch.float32)
+        x_q, x_s = self._quantized_rows(dispatched)
+        w = self.fp8
+        return self._gemm_fp8.expert_up_fp8(
+            x_q,
+            x_s,
+            w.w13,
+            w.w13_scale_inv,
+            offsets,
+            pairs,
+            act_q,
+            act_s,
+            top_k=top_k,
+            gated=self.gated,
+            config=config,
+        )
+
+    def _down(
+        self,
+        act: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # what ``_up`` returned
+        offsets: torch.Tensor,
+        pairs: torch.Tensor | None,
+        weights: torch.Tensor,  # [R, K'] fp32
+        out: torch.Tensor,  # [R·K, H] or [R, H]
+        config: TileConfig,
+    ) -> torch.Tensor:
+        """GEMM2 with the router weight in its epilogue, into ``out``."""
+        if self.fp8 is None:
+            return self._gemm.expert_down(act, self.w2, offsets, pairs, weights, out, config=config)
+        w = self.fp8
+        return self._gemm_fp8.expert_down_fp8(
+            *act, w.w2, w.w2_scale_inv, offsets, pairs, weights, out, config=config
+        )
+
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden = dispatched.hidden_states  # [R, H]
         num_rows = hidden.size(0)
-        dtype = hidden.dtype
+        dtype = self.setup.dtype
         out = self._buffer("out", num_rows, self.hidden, dtype)  # [R, H]
         if num_rows == 0:
             return out
@@ -166,13 +272,8 @@ class TritonExperts(Experts):
             assert dispatched.expert_offsets is not None
             offsets = dispatched.expert_offsets
             up, down = self._tile_configs(num_rows)
-            act = self._buffer("act", num_rows, self.intermediate, dtype)  # [R, I]
-            self._gemm.expert_up(
-                hidden, self.w13, offsets, None, act, top_k=1, gated=self.gated, config=up
-            )
-            return self._gemm.expert_down(
-                act, self.w2, offsets, None, dispatched.topk_weights, out, config=down
-            )
+            act = self._up(dispatched, offsets, None, num_rows, 1, up)
+            return self._down(act, offsets, None, dispatched.topk_weights, out, down)
         ids = dispatched.topk_ids  # [R, K]
         top_k = ids.size(1)
         num_pairs = num_rows * top_k
@@ -184,14 +285,9 @@ class TritonExperts(Experts):
         # served pairs per row: K at world size 1, about K·L/E where L of E experts are local
         served = num_rows * max(1, min(top_k, top_k * self.num_local // self.placement.num_experts))
         up, down = self._tile_configs(served)
-        act = self._buffer("act", num_pairs, self.intermediate, dtype)  # [R·K, I]
+        act = self._up(dispatched, self._offsets, pairs, num_pairs, top_k, up)  # [R·K, I]
         per_pair = self._buffer("per_pair", num_pairs, self.hidden, dtype)  # [R·K, H]
-        self._gemm.expert_up(
-            hidden, self.w13, self._offsets, pairs, act, top_k=top_k, gated=self.gated, config=up
-        )
-        self._gemm.expert_down(
-            act, self.w2, self._offsets, pairs, dispatched.topk_weights, per_pair, config=down
-        )
+        self._down(act, self._offsets, pairs, dispatched.topk_weights, per_pair, down)
         return rows.sum_slots(
             per_pair, ids, out, local_offset=self.local_offset, num_local=self.num_local
         )

@@ -98,6 +98,21 @@ def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileCo
     return TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
 
 
+def heuristic_fp8(gemm: str, rows: int, num_local: int, interpret: bool) -> TileConfig:
+    """A config of the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``): BLOCK_K = 128
+    (one scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per
+    tile row). Decode swaps the tile (weight rows on the matrix unit's M side)."""
+    bucket = rows_bucket(rows, num_local)
+    if interpret:
+        return TileConfig(16, 128, 128, num_stages=1)
+    narrow = 64 if gemm == "down" else 128  # GEMM2's output tiles may be narrower
+    if bucket <= 16:
+        return TileConfig(16, narrow, 128, num_warps=4, num_stages=4, swap=True)
+    if bucket <= 64:
+        return TileConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4)
+    return TileConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
+
+
 def select(
     device_name: str,
     gemm: str,

@@ -1,13 +1,17 @@
 """``pack_rows``: every row of the dispatch send buffer (headers, token rows, filler).
 
 The torch function is the spec (and the CPU path); the Triton one is bitwise equal to it and
-reads no device value on the host.
+reads no device value on the host. With a quantized row format (fp8 dispatch) pack quantizes
+each token row by the contract (``quantization.quantize_activations``) and writes its e4m3
+values and scales; rows without a token get code 0 and scale 0 (NaN code and scale in poison
+mode).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ep_runtime.kernels.fp8_quant import quantize_groups
 from ep_runtime.kernels.layout import ChunkLayout, RowFormat, chunk_starts
 from ep_runtime.kernels.triton_common import (
     F_NUM_ROWS,
@@ -23,6 +27,9 @@ from ep_runtime.kernels.triton_common import (
 )
 from ep_runtime.kernels.types import Route
 from ep_runtime.kernels.wire import HEADER_BYTES, Field
+from ep_runtime.quantization import BLOCK, FP8_DTYPE, quantize_activations
+
+E4M3_NAN = 0x7F  # the e4m3fn code of NaN (positive sign), poison filler
 
 
 def torch_pack_rows(
@@ -55,8 +62,16 @@ def torch_pack_rows(
     else:
         token = torch.zeros_like(row)
     filler = float("nan") if poison else 0.0
-    x_rows = torch.cat([x, x.new_full((1, x.size(1)), filler)])  # [T + 1, H]
-    row_format.hidden(send).copy_(x_rows.index_select(0, token))
+    if row_format.quantized:
+        q, scale = quantize_activations(x)  # [T, H] e4m3, [T, H/128] fp32
+        code = torch.full((1, x.size(1)), E4M3_NAN if poison else 0, dtype=torch.uint8)
+        q_rows = torch.cat([q, code.to(device).view(FP8_DTYPE)])  # [T + 1, H]
+        s_rows = torch.cat([scale, scale.new_full((1, scale.size(1)), filler)])
+        row_format.hidden(send).copy_(q_rows.index_select(0, token))
+        row_format.scales(send).copy_(s_rows.index_select(0, token))
+    else:
+        x_rows = torch.cat([x, x.new_full((1, x.size(1)), filler)])  # [T + 1, H]
+        row_format.hidden(send).copy_(x_rows.index_select(0, token))
     ids = torch.full((num_tokens + 1, max_k), -1, dtype=torch.int32, device=device)
     ids[:num_tokens, :top_k] = route.ids
     row_format.ids(send, max_k).copy_(ids.index_select(0, token))
@@ -97,7 +112,11 @@ def _pack_kernel(
     ids_word,  # first int32 word of the ids in a row
     weights_word,
     header_elements,  # hidden elements the header overlays in a chunk's first row
+    scales_word,  # first fp32 word of the scales in a row (QUANTIZED)
     POISON: tl.constexpr,
+    FILLER_CODE: tl.constexpr,  # e4m3 code of filler hidden (QUANTIZED): 0, or NaN (POISON)
+    QUANTIZED: tl.constexpr,  # e4m3 hidden and scales: BLOCK_H a multiple of GROUP
+    GROUP: tl.constexpr,
     X_UNIT: tl.constexpr,
     ROW_UNIT: tl.constexpr,  # elements of 16 bytes
     BLOCK_H: tl.constexpr,
@@ -125,10 +144,21 @@ def _pack_kernel(
     values = tl.load(
         x + token * x_rows * X_UNIT + h * x_stride_h, mask=in_row & is_token, other=0.0
     )
-    if POISON:  # filler hidden: NaN (the load's 0 otherwise); fp32 → dtype is exact here
-        values = tl.where(is_token, values.to(tl.float32), float("nan"))
     keep = in_row & ~(is_header & (h < header_elements))  # the header's bytes are its own
-    tl.store(send_hidden + row64 * row_units * ROW_UNIT + h, values, mask=keep)
+    if QUANTIZED:  # per 128-column group: e4m3 codes (as bytes) and the group's scale
+        groups: tl.constexpr = BLOCK_H // GROUP
+        codes, scale = quantize_groups(tl.reshape(values.to(tl.float32), (groups, GROUP)), 1)
+        bits = tl.reshape(codes.to(tl.uint8, bitcast=True), (BLOCK_H,))
+        bits = tl.where(is_token, bits, FILLER_CODE).to(tl.uint8)
+        tl.store(send_hidden + row64 * row_units * ROW_UNIT + h, bits, mask=keep)
+        scale = tl.where(is_token, scale, float("nan") if POISON else 0.0)
+        g = block * groups + tl.arange(0, groups)
+        words = row64 * row_units * 4 + scales_word
+        tl.store(send_floats + words + g, scale, mask=g * GROUP < hidden_size)
+    else:
+        if POISON:  # filler hidden: NaN (the load's 0 otherwise); fp32 → dtype is exact here
+            values = tl.where(is_token, values.to(tl.float32), float("nan"))
+        tl.store(send_hidden + row64 * row_units * ROW_UNIT + h, values, mask=keep)
     if block == 0:
         k = tl.arange(0, KP)
         slot_ok = is_token & (k < top_k)
@@ -163,6 +193,10 @@ def triton_pack_rows(
     hidden_size = row_format.hidden_size
     itemsize = row_format.dtype.itemsize
     block, warps = row_block(hidden_size, itemsize)
+    quantized = row_format.quantized
+    if quantized:  # whole groups per program (a power of two ≥ 128; H is a multiple of 128)
+        block = max(BLOCK, block)
+    wire_itemsize = row_format.hidden_dtype.itemsize
     grid = (num_rows, triton.cdiv(hidden_size, block))
     x_rows, x_unit = stride_units(x.stride(0), itemsize)
     _pack_kernel[grid](
@@ -179,7 +213,7 @@ def triton_pack_rows(
         route.token_of.stride(0),
         route.header,
         route.header.stride(0),
-        send.view(row_format.dtype),
+        send if quantized else send.view(row_format.dtype),
         send.view(torch.int32),
         send.view(torch.float32),
         row_bytes // 16,
@@ -193,10 +227,14 @@ def triton_pack_rows(
         capacity=capacity_arg(chunks),
         ids_word=row_format.ids_offset // 4,
         weights_word=row_format.weights_offset // 4,
-        header_elements=-(-HEADER_BYTES // itemsize),
+        header_elements=-(-HEADER_BYTES // wire_itemsize),
+        scales_word=hidden_size // 4 if quantized else 0,
         POISON=poison,
+        FILLER_CODE=E4M3_NAN if poison else 0,
+        QUANTIZED=quantized,
+        GROUP=BLOCK,
         X_UNIT=x_unit,
-        ROW_UNIT=16 // itemsize,
+        ROW_UNIT=16 // wire_itemsize,
         BLOCK_H=block,
         num_warps=warps,
     )

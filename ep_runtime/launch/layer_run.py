@@ -181,8 +181,10 @@ class LayerRankWorker:
             self.topk_ids, device_map, self.rank, self.context.spec.world_size
         )
         rows = self.comm.all_gather_object(destinations)
-        hidden = self.workload.model.hidden_size
-        self.traffic = Traffic(rows=rows, row_bytes=hidden * self.dtype.itemsize)
+        config = self.config
+        self.traffic = Traffic.of_layer(
+            rows, config.hidden_size, self.dtype, config.top_k, config.quantization is not None
+        )
 
     def build(self, case: int) -> dict:
         """Construct the layer for ``layouts[case]`` and load this rank's shard."""

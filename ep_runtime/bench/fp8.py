@@ -1,0 +1,170 @@
+"""The fp8 block-scale layer beside the bf16 layer: ``python -m ep_runtime.bench.fp8`` (one CUDA
+GPU, world size 1, ``torch_a2a`` + ``experts="triton"``, STANDARD, K = 8, balanced routing).
+
+Per point, in one run: weights generated in bf16 and quantized per 128×128 block; the fp8 layer
+(fp8 dispatch: rows packed as e4m3 + scales) on the quantized weights and the bf16 layer on the
+same weights dequantized. Decode points (T = 128, capacity mode) are timed replayed as CUDA
+graphs (checked bitwise equal to eager), prefill (T = 4096, exact mode) eager. Printed: both
+times and their ratio, the fp8 layer against the fp8 twin (``experts="reference"``, the
+contract in plain torch) on a token sample, the per-token distance between the fp8 and the bf16
+layer, and the dispatch bytes of one packed row in each format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ep_runtime import EPMoE, MoEConfig
+from ep_runtime.bench.layer import Point, inputs, time_ms
+from ep_runtime.kernels.layout import RowFormat
+from ep_runtime.quantization import dequantize_weight_blocks, quantize_weight_blocks
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+
+BF16 = torch.bfloat16
+POINTS = (
+    Point("deepseek-v3-ep8-shard-decode", 32, 128, 7168, 2048, 8, "capacity", "standard"),
+    Point("qwen3-30b-a3b-decode", 128, 128, 2048, 768, 8, "capacity", "standard"),
+    Point("deepseek-v3-ep8-shard-prefill", 32, 4096, 7168, 2048, 8, "exact", "standard"),
+)
+SAMPLE = 64  # tokens checked against the twin
+
+
+@dataclass
+class Fp8Row:
+    point: str
+    bf16_ms: float
+    fp8_ms: float
+    ratio: float
+    timed: str  # "graph" or "eager"
+    twin_passed: bool
+    twin_max_rel_err: float
+    distance_median: float  # per-token ‖fp8 − bf16‖ / ‖bf16‖ on the same dequantized weights
+    distance_max: float
+    bf16_row_bytes: int
+    fp8_row_bytes: int
+
+
+def layer_for(point: Point, quantized: bool, experts: str, device: torch.device) -> EPMoE:
+    config = MoEConfig(
+        point.num_experts,
+        point.top_k,
+        point.hidden,
+        point.intermediate,
+        dtype=BF16,
+        max_tokens_per_rank=point.tokens,
+        quantization="fp8_block" if quantized else None,
+    )
+    return EPMoE(
+        config,
+        dispatcher="torch_a2a",
+        experts=experts,
+        layout=point.layout,
+        mode=point.mode,
+        device=device,
+    )
+
+
+def timed_forward(layer: EPMoE, x, ids, weights, graph: bool) -> tuple[torch.Tensor, float]:
+    """``(output, ms)``: median of CUDA-graph replays (checked equal to eager) or of eager."""
+    out = layer(x, ids, weights).clone()
+    if not torch.equal(layer(x, ids, weights), out):
+        raise AssertionError("two eager forwards differ")
+    if not graph:
+        return out, time_ms(lambda: layer(x, ids, weights))
+    device = x.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer(x, ids, weights)
+    torch.cuda.current_stream(device).wait_stream(side)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        graph_out = layer(x, ids, weights)
+    captured.replay()
+    torch.cuda.synchronize()
+    if not torch.equal(graph_out, out):
+        raise AssertionError("the graph's output differs from eager")
+    return out, time_ms(captured.replay)
+
+
+def measure(point: Point, device: torch.device) -> Fp8Row:
+    w13, w2, x, ids, weights = inputs(point, device)
+    q13, s13 = quantize_weight_blocks(w13)
+    q2, s2 = quantize_weight_blocks(w2)
+    del w13, w2
+    graph = point.mode == "capacity"
+    fp8 = layer_for(point, True, "triton", device)
+    try:
+        fp8.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
+        out_fp8, fp8_ms = timed_forward(fp8, x, ids, weights, graph)
+    finally:
+        fp8.close()
+    sample = torch.arange(0, point.tokens, max(1, point.tokens // SAMPLE), device=device)
+    twin = layer_for(point, True, "reference", device)
+    try:
+        twin.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
+        ref = twin(x[sample], ids[sample], weights[sample])
+    finally:
+        twin.close()
+    tolerance = tolerance_for(BF16, max(point.hidden, point.intermediate))
+    comparison = compare_per_token(out_fp8[sample], ref.double(), tolerance)
+    bf16 = layer_for(point, False, "triton", device)
+    try:
+        bf16.load_weights(
+            dequantize_weight_blocks(q13, s13).to(BF16), dequantize_weight_blocks(q2, s2).to(BF16)
+        )
+        out_bf16, bf16_ms = timed_forward(bf16, x, ids, weights, graph)
+    finally:
+        bf16.close()
+    distance = (out_fp8.double() - out_bf16.double()).norm(dim=1) / out_bf16.double().norm(dim=1)
+    rows = [RowFormat(point.hidden, BF16, point.top_k, quantized=q).row_bytes for q in (0, 1)]
+    return Fp8Row(
+        point.name,
+        bf16_ms,
+        fp8_ms,
+        fp8_ms / bf16_ms,
+        "graph" if graph else "eager",
+        comparison.passed,
+        comparison.max_relative_error,
+        distance.median().item(),
+        distance.max().item(),
+        *rows,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    header = f"{'point':32} {'bf16 ms':>9} {'fp8 ms':>9} {'ratio':>6} {'timed':>6}"
+    print(header + "  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes bf16/fp8")
+    rows = []
+    for point in POINTS:
+        row = measure(point, device)
+        rows.append(row)
+        print(
+            f"{row.point:32} {row.bf16_ms:9.4f} {row.fp8_ms:9.4f} {row.ratio:6.3f} "
+            f"{row.timed:>6}  {'pass' if row.twin_passed else 'FAIL'} "
+            f"{row.twin_max_rel_err:.2e}   {row.distance_median:.2e} / {row.distance_max:.2e}"
+            f"     {row.bf16_row_bytes}/{row.fp8_row_bytes}"
+        )
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0 if all(r.twin_passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

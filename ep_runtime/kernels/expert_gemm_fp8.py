@@ -1,0 +1,388 @@
+"""The fp8 block-scale expert GEMMs of the ``triton`` experts backend: torch spec and Triton.
+
+The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 kernels'
+(``kernels/expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
+
+* ``expert_up_fp8``: ``q(x)`` (e4m3 rows ``[R, H]`` and fp32 scales ``[R, H/128]``) against
+  e4m3 ``w13`` with one fp32 ``scale_inv`` per 128×128 block. BLOCK_K = 128, so each k-step's
+  fp32 partial product is scaled once by its row-group scale and its weight block's scale
+  before it joins the fp32 accumulator. The epilogue applies the activation in fp32 and
+  quantizes the result per row and 128 columns (BLOCK_N = 128: a tile is one group): it writes
+  ``q(act) [P, I]`` e4m3 and its scales ``[P, I/128]``.
+* ``expert_down_fp8``: ``q(act)`` against e4m3 ``w2`` the same way; router weight in the
+  epilogue, one rounding to the output dtype; EXPANDED padding rows zero.
+
+Deterministic (fixed order, no atomics), static grid, nothing read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ep_runtime.kernels.expert_gemm import _activate, _expert_tile, _groups, row_tiles
+from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.kernels.fp8_quant import quantize_groups
+from ep_runtime.kernels.triton_common import INTERPRET, exp_fp32
+from ep_runtime.kernels.triton_common import rounded as _rounded
+from ep_runtime.quantization import (
+    BLOCK,
+    dequantize_activations,
+    dequantize_weight_blocks,
+    quantize_activations,
+)
+
+# --------------------------------------------------------------------------- torch spec
+
+
+def expert_up_fp8_spec(
+    x_q: torch.Tensor,  # [R, H] e4m3
+    x_s: torch.Tensor,  # [R, H/128] fp32
+    w13: torch.Tensor,  # [L, 2I | I, H] e4m3
+    s13: torch.Tensor,  # [L, 2I/128 | I/128, H/128] fp32
+    offsets: torch.Tensor,  # [L + 1] int32
+    pairs: torch.Tensor | None,  # [P] int32 row·K + slot; None: grouped row p is row p
+    *,
+    top_k: int,
+    gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q(act) [P, I] e4m3, scales [P, I/128] fp32)``; rows past ``offsets[L]`` zero."""
+    num_grouped = x_q.size(0) if pairs is None else pairs.numel()
+    width = w13.size(1) // 2 if gated else w13.size(1)
+    act = torch.zeros(num_grouped, width, dtype=torch.float32, device=x_q.device)
+    for expert, start, end in _groups(offsets):
+        source = torch.arange(start, end, device=x_q.device)
+        if pairs is not None:
+            source = pairs[start:end].long() // top_k
+        rows = dequantize_activations(x_q[source], x_s[source])
+        h = rows @ dequantize_weight_blocks(w13[expert], s13[expert]).T
+        act[start:end] = _activate(h, gated)
+    return quantize_activations(act)
+
+
+def expert_down_fp8_spec(
+    a_q: torch.Tensor,  # [P, I] e4m3
+    a_s: torch.Tensor,  # [P, I/128] fp32
+    w2: torch.Tensor,  # [L, H, I] e4m3
+    s2: torch.Tensor,  # [L, H/128, I/128] fp32
+    offsets: torch.Tensor,  # [L + 1] int32
+    pairs: torch.Tensor | None,  # [P] int32 row·K + slot; None: grouped row p is out row p
+    weights: torch.Tensor,  # [R, K'] fp32
+    *,
+    num_out: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[num_out, H]`` in ``dtype``: each grouped row's weighted result at its row, else 0."""
+    out = torch.zeros(num_out, w2.size(1), dtype=dtype, device=a_q.device)
+    for expert, start, end in _groups(offsets):
+        dest = torch.arange(start, end, device=a_q.device)
+        if pairs is not None:
+            dest = pairs[start:end].long()
+        weight = weights.reshape(-1)[dest] if pairs is not None else weights[dest, 0]
+        rows = dequantize_activations(a_q[start:end], a_s[start:end])
+        y = rows @ dequantize_weight_blocks(w2[expert], s2[expert]).T
+        out[dest] = (y * weight.float().unsqueeze(1)).to(dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _scaled_step(acc, a, a_scale, b, b_scale, SWAP: tl.constexpr):
+    """``acc += (a · b) · a_scale · b_scale`` for one 128-deep k-step: ``a [BM, BK]`` e4m3
+    rows with ``a_scale [BM]``, ``b [BK, BN]`` e4m3 with ``b_scale [BN]`` (SWAP: the
+    transposed tile ``[BN, BM]``). Under the interpreter the operands go to fp32 (exact)."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if SWAP:
+        part = tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32)
+        acc += part * b_scale[:, None] * a_scale[None, :]
+    else:
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        acc += part * a_scale[:, None] * b_scale[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["tiles_m"])
+def _up_fp8_kernel(
+    x,  # [R, H] e4m3
+    stride_xm,
+    xs,  # [R, H/128] fp32
+    stride_xsm,
+    pairs,  # [P] int32 (SORTED)
+    offsets,  # [L + 1] int32
+    w,  # [L, 2I | I, H] e4m3
+    stride_we,
+    stride_wn,
+    ws,  # [L, 2I/128 | I/128, H/128] fp32
+    stride_wse,
+    stride_wsn,
+    out,  # [P, I] e4m3
+    stride_om,
+    outs,  # [P, I/128] fp32
+    stride_osm,
+    num_local,
+    top_k,
+    width,  # I
+    depth,  # H
+    tiles_m,
+    GATED: tl.constexpr,
+    SORTED: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,  # 128: one quantization group per tile row
+    BK: tl.constexpr,  # 128: one scale per k-step
+    GROUP_M: tl.constexpr,
+    LP: tl.constexpr,
+):
+    """Program (row tile, column tile): q(x) rows gathered through ``pairs``, block scales per
+    k-step, activation and quantization of the result in the epilogue."""
+    num_n = width // BN
+    _, tile_n, expert, _, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
+    )
+    if expert < num_local:
+        p = row_start + tl.arange(0, BM)
+        ok_m = p < row_end
+        if SORTED:  # noqa: SIM108 (a constexpr branch: pairs is read only when sorted)
+            source = tl.load(pairs + p, mask=ok_m, other=0) // top_k
+        else:
+            source = p
+        source = source.to(tl.int64)
+        n = tile_n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        e64 = expert.to(tl.int64)
+        a_ptrs = x + source[:, None] * stride_xm + kk[None, :]
+        g_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
+        u_ptrs = g_ptrs + width * stride_wn
+        gs_ptrs = ws + e64 * stride_wse + (n // BK) * stride_wsn
+        us_ptrs = gs_ptrs + (width // BK) * stride_wsn
+        shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
+        acc_g = tl.zeros(shape, dtype=tl.float32)
+        acc_u = tl.zeros(shape, dtype=tl.float32)
+        for k0 in range(0, depth // BK):
+            a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
+            a_scale = tl.load(xs + source * stride_xsm + k0, mask=ok_m, other=0.0)
+            g = tl.load(g_ptrs)
+            acc_g = _scaled_step(acc_g, a, a_scale, g, tl.load(gs_ptrs + k0), SWAP)
+            if GATED:
+                u = tl.load(u_ptrs)
+                acc_u = _scaled_step(acc_u, a, a_scale, u, tl.load(us_ptrs + k0), SWAP)
+            a_ptrs += BK
+            g_ptrs += BK
+            u_ptrs += BK
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        if GATED:
+            result = acc_g / (1.0 + exp_fp32(-acc_g)) * acc_u  # silu(gate)·up
+        else:
+            relu = tl.where(acc_g < 0.0, 0.0, acc_g)
+            result = relu * relu
+        codes, scale = quantize_groups(result, 1)  # [BM, BN] e4m3, [BM]
+        p64 = p.to(tl.int64)
+        tl.store(out + p64[:, None] * stride_om + n[None, :], codes, mask=ok_m[:, None])
+        tl.store(outs + p64 * stride_osm + tile_n, scale, mask=ok_m)
+
+
+@triton.jit(do_not_specialize=["tiles_m", "num_rows"])
+def _down_fp8_kernel(
+    act,  # [P, I] e4m3
+    stride_am,
+    acts,  # [P, I/128] fp32
+    stride_asm,
+    pairs,  # [P] int32 (SORTED)
+    offsets,  # [L + 1] int32
+    w,  # [L, H, I] e4m3
+    stride_we,
+    stride_wn,
+    ws,  # [L, H/128, I/128] fp32
+    stride_wse,
+    stride_wsn,
+    weights,  # [R, K'] fp32
+    stride_rr,
+    stride_rk,
+    out,  # [R·K, H] (SORTED) or [R, H]
+    stride_om,
+    num_local,
+    top_k,
+    width,  # H
+    depth,  # I
+    tiles_m,
+    num_rows,  # R: rows of out to zero past offsets[L] (ZERO_PAD)
+    SORTED: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,  # 128
+    GROUP_M: tl.constexpr,
+    LP: tl.constexpr,
+):
+    """Program (row tile, column tile): block scales per k-step, router weight and one rounding
+    in the epilogue; spare tiles zero EXPANDED padding (as the bf16 kernel)."""
+    num_n = (width + BN - 1) // BN
+    tile_m, tile_n, expert, first_tile, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
+    )
+    n = tile_n * BN + tl.arange(0, BN)
+    ok_n = n < width
+    if expert < num_local:
+        p = row_start + tl.arange(0, BM)
+        ok_m = p < row_end
+        if SORTED:
+            dest = tl.load(pairs + p, mask=ok_m, other=0)
+            row = dest // top_k
+            slot = dest % top_k
+        else:
+            dest = p
+            row = p
+            slot = 0
+        weight = tl.load(weights + row * stride_rr + slot * stride_rk, mask=ok_m, other=0.0)
+        kk = tl.arange(0, BK)
+        e64 = expert.to(tl.int64)
+        p64 = p.to(tl.int64)
+        a_ptrs = act + p64[:, None] * stride_am + kk[None, :]
+        b_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
+        bs_ptrs = ws + e64 * stride_wse + (n // BK) * stride_wsn
+        shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
+        acc = tl.zeros(shape, dtype=tl.float32)
+        for k0 in range(0, depth // BK):
+            a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
+            a_scale = tl.load(acts + p64 * stride_asm + k0, mask=ok_m, other=0.0)
+            b = tl.load(b_ptrs, mask=ok_n[None, :], other=0.0)
+            b_scale = tl.load(bs_ptrs + k0, mask=ok_n, other=0.0)
+            acc = _scaled_step(acc, a, a_scale, b, b_scale, SWAP)
+            a_ptrs += BK
+            b_ptrs += BK
+        if SWAP:
+            acc = tl.trans(acc)
+        result = acc * weight.to(tl.float32)[:, None]
+        o_ptrs = out + dest.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+    elif ZERO_PAD:
+        p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
+        o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
+        zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
+        tl.store(o_ptrs, zero, mask=(p < num_rows)[:, None] & ok_n[None, :])
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _options(config: TileConfig, num_local: int) -> dict:
+    assert config.block_k == BLOCK, "fp8 block scales need BLOCK_K = 128"
+    return {
+        "SWAP": config.swap,
+        "BM": config.block_m,
+        "BN": config.block_n,
+        "BK": config.block_k,
+        "GROUP_M": config.group_m,
+        "LP": triton.next_power_of_2(max(num_local, 1)),
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+
+
+def expert_up_fp8(
+    x_q: torch.Tensor,  # [R, H] e4m3 (rows may be strided, columns contiguous)
+    x_s: torch.Tensor,  # [R, H/128] fp32 (columns contiguous)
+    w13: torch.Tensor,  # [L, 2I | I, H] e4m3, contiguous
+    s13: torch.Tensor,  # [L, 2I/128 | I/128, H/128] fp32, contiguous
+    offsets: torch.Tensor,  # [L + 1] int32
+    pairs: torch.Tensor | None,  # [P] int32 row·K + slot; None: grouped row p is x[p]
+    out_q: torch.Tensor,  # [P, I] e4m3, written for rows < offsets[L]
+    out_s: torch.Tensor,  # [P, I/128] fp32, likewise
+    *,
+    top_k: int,
+    gated: bool,
+    config: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_grouped, width = out_q.shape
+    num_local, _, depth = w13.shape
+    assert config.block_n == BLOCK, "GEMM1 quantizes its result per tile: BLOCK_N = 128"
+    if num_grouped == 0 or width == 0:
+        return out_q, out_s
+    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
+    grid = (tiles_m * (width // config.block_n),)
+    _up_fp8_kernel[grid](
+        x_q,
+        x_q.stride(0),
+        x_s,
+        x_s.stride(0),
+        offsets if pairs is None else pairs,
+        offsets,
+        w13,
+        w13.stride(0),
+        w13.stride(1),
+        s13,
+        s13.stride(0),
+        s13.stride(1),
+        out_q,
+        out_q.stride(0),
+        out_s,
+        out_s.stride(0),
+        num_local,
+        top_k,
+        width,
+        depth,
+        tiles_m,
+        GATED=gated,
+        SORTED=pairs is not None,
+        **_options(config, num_local),
+    )
+    return out_q, out_s
+
+
+def expert_down_fp8(
+    a_q: torch.Tensor,  # [P, I] e4m3
+    a_s: torch.Tensor,  # [P, I/128] fp32
+    w2: torch.Tensor,  # [L, H, I] e4m3, contiguous
+    s2: torch.Tensor,  # [L, H/128, I/128] fp32, contiguous
+    offsets: torch.Tensor,  # [L + 1] int32
+    pairs: torch.Tensor | None,  # [P] int32 row·K + slot; None: grouped row p is out row p
+    weights: torch.Tensor,  # [R, K'] fp32 router weights (a strided view is fine)
+    out: torch.Tensor,  # [R·K, H] (pairs) or [R, H] (every row written: padding zero)
+    *,
+    config: TileConfig,
+) -> torch.Tensor:
+    num_grouped, depth = a_q.shape
+    num_local, width, _ = w2.shape
+    if num_grouped == 0 or width == 0:
+        if pairs is None:
+            out.zero_()
+        return out
+    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
+    grid = (tiles_m * triton.cdiv(width, config.block_n),)
+    _down_fp8_kernel[grid](
+        a_q,
+        a_q.stride(0),
+        a_s,
+        a_s.stride(0),
+        offsets if pairs is None else pairs,
+        offsets,
+        w2,
+        w2.stride(0),
+        w2.stride(1),
+        s2,
+        s2.stride(0),
+        s2.stride(1),
+        weights,
+        weights.stride(0),
+        weights.stride(1),
+        out,
+        out.stride(0),
+        num_local,
+        weights.size(1),
+        width,
+        depth,
+        tiles_m,
+        out.size(0),
+        SORTED=pairs is not None,
+        ZERO_PAD=pairs is None,
+        **_options(config, num_local),
+    )
+    return out
