@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ep_runtime.bench.metrics import dispatch_row_bytes
 from ep_runtime.experts import reference as reference_experts
 from ep_runtime.launch import cli, layer_data
 from ep_runtime.launch.cli import EXIT_OK, EXIT_USAGE, main
@@ -136,7 +137,7 @@ def test_spawn_fp8_run_passes_with_about_half_the_weight_bytes(tmp_path, capsys)
     code, fp8 = _spawn(tmp_path, "fp8", "--quantization", "fp8_block")
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
-    assert "PASSED" in out and "fp8 dispatch is not built yet" in out
+    assert "PASSED" in out and "recv MB counts the fp8 rows dispatch sends" in out
     code, bf16 = _spawn(tmp_path, "bf16")
     assert code == EXIT_OK, capsys.readouterr().out
     assert fp8["passed"] and fp8["quantization"] == "fp8_block" and bf16["quantization"] is None
@@ -146,9 +147,14 @@ def test_spawn_fp8_run_passes_with_about_half_the_weight_bytes(tmp_path, capsys)
         assert b["expert_weight_bytes"] == 2 * elements
         assert q["expert_weight_bytes"] == elements + 8 * 6 * 4  # + 6 fp32 scales per expert
         assert 0.5 < q["expert_weight_bytes"] / b["expert_weight_bytes"] < 0.501
-        # the same rows in bf16 either way: fp8 dispatch does not exist yet
-        assert q["dispatch_received_bytes"] == b["dispatch_received_bytes"] > 0
-        assert q["received_rows"] * H * 2 == q["dispatch_received_bytes"]
+        # the same rows, each an fp8 row on the wire: e4m3 hidden + H/128 fp32 scales (+ the
+        # ids and weights both formats carry)
+        assert q["received_rows"] == b["received_rows"] > 0
+        fp8_row = dispatch_row_bytes(H, torch.bfloat16, MODEL.top_k, quantized=True)
+        bf16_row = dispatch_row_bytes(H, torch.bfloat16, MODEL.top_k, quantized=False)
+        assert fp8_row < bf16_row
+        assert q["dispatch_received_bytes"] == q["received_rows"] * fp8_row
+        assert b["dispatch_received_bytes"] == b["received_rows"] * bf16_row
 
 
 @pytest.mark.parametrize(

@@ -139,8 +139,8 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     if spec.get("quantization"):
         notes.append(
             f"{spec['quantization']}: weights MB = e4m3 expert weights + fp32 block scales; "
-            f"recv MB and the a2a baselines are {first['dtype']} rows (fp8 dispatch is not built "
-            "yet); "
+            "recv MB counts the fp8 rows dispatch sends (e4m3 hidden, an fp32 scale per 128 "
+            f"columns, ids, weights); combine and the a2a baselines move {first['dtype']} rows; "
             "rel err against the contract's quantized math, at the bf16 tolerance"
         )
     return {
