@@ -5,7 +5,6 @@ and agreed by every rank in ``agreement.py``; this module runs the forward."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,6 +22,7 @@ from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import Fp8BlockWeights, check_weight_quantization
+from ep_runtime.rounds import RoundBounds, bytes_per_token
 from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
     BackendUnavailableError,
@@ -43,8 +43,14 @@ class EPMoE(torch.nn.Module):
     """An expert-parallel MoE layer: route-free (ids and weights come in), forward only.
 
     ``group=None`` uses the default process group if initialised, else a world of 1. Rank r owns
-    experts ``[r·L, (r+1)·L)``. In exact mode T may exceed the cap (processed in chunks); in
-    capacity mode T must fit it and nothing syncs with the host.
+    experts ``[r·L, (r+1)·L)``.
+
+    ``max_tokens_per_rank``: in exact mode (the default) buffers are sized to each forward,
+    which runs as one round unless a bound splits it into rounds of at most ``b`` tokens: this
+    argument (``None``, the default: none), the dispatcher's own (fixed-size buffers) or, on
+    CUDA, what fits in free device memory (ep_runtime/rounds.py); ranks agree on the rounds in
+    every forward. In capacity mode it is the static cap (default 256): T must fit it, buffers
+    never change size, nothing syncs with the host and the forward can be a CUDA graph.
     """
 
     def __init__(
@@ -109,6 +115,20 @@ class EPMoE(torch.nn.Module):
         self.experts = experts_cls(experts_setup)
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
         self.identity = LayerIdentity(self.spec.fingerprint(), self.dispatcher.register_layer())
+        world = self.comm.world_size
+        self.rounds = RoundBounds.of(  # exact mode's bounds on the tokens of one round
+            self.spec.max_tokens_per_rank,
+            self.dispatcher.max_round_tokens,
+            bytes_per_token(
+                config.hidden_size,
+                config.intermediate_size,
+                config.w13_rows,
+                config.top_k,
+                world,
+                self.dtype,
+            ),
+            self.comm.device,
+        )
         self._closed = False
         self._weights_loaded = False
         self._warned_about_grad = False
@@ -123,8 +143,9 @@ class EPMoE(torch.nn.Module):
         return self.spec.dtype
 
     @property
-    def max_tokens_per_rank(self) -> int:
-        """The cap: rows per rank per dispatch (a chunk in exact mode, the forward in capacity)."""
+    def max_tokens_per_rank(self) -> int | None:
+        """Capacity mode: the cap on a forward's T. Exact mode: the user's bound on the tokens
+        of one round (``None``: none; the layer's own bounds are in ``self.rounds``)."""
         return self.spec.max_tokens_per_rank
 
     @property
@@ -204,19 +225,25 @@ class EPMoE(torch.nn.Module):
             out = torch.empty_like(x)
         if self.poison:
             out.fill_(float("nan"))
-        num_tokens, cap = x.size(0), self.max_tokens_per_rank
         if self.mode is DispatchMode.CAPACITY:
             self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
             self.eplb.forward_done(self.experts.load_weights)
             return out
-        num_local_chunks = max(1, math.ceil(num_tokens / cap))
-        chunk, num_chunks = 0, 1
-        while chunk < num_chunks:
-            rows = slice(min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens))
-            num_chunks = self._forward_chunk(
-                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks, None
+        num_tokens = x.size(0)
+        per_round = self.rounds.tokens_per_round(num_tokens)
+        num_local_rounds = max(1, -(-num_tokens // per_round))
+        if num_local_rounds == 1:  # all at once; peers may still need more rounds
+            num_rounds = self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            round_index = 1
+        else:
+            round_index, num_rounds = 0, 1
+        while round_index < num_rounds:  # a rank needing fewer rounds sends empty ones
+            start = min(round_index * per_round, num_tokens)
+            rows = slice(start, min(start + per_round, num_tokens))
+            num_rounds = self._forward_chunk(
+                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_rounds, None
             )
-            chunk += 1
+            round_index += 1
         self.eplb.forward_done(self.experts.load_weights)
         return out
 
@@ -339,5 +366,5 @@ class EPMoE(torch.nn.Module):
             f"E={c.num_experts}, top_k={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
             f"rank={self.comm.rank}/{self.comm.world_size}, "
             f"{self.choice.describe().splitlines()[0]}, "
-            f"mode={self.mode.value}, cap={self.max_tokens_per_rank}"
+            f"mode={self.mode.value}, max_tokens_per_rank={self.max_tokens_per_rank}"
         )

@@ -80,6 +80,9 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     name: ClassVar[str]
     capabilities: ClassVar[DispatcherCapabilities]
     auto_priority: ClassVar[int] = 0
+    # exact mode: the most tokens per rank one round may carry, where the transport's buffers
+    # have a fixed size (an instance sets it from its setup); None: sized per forward, no bound
+    max_round_tokens: int | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
