@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         sync(device)
         done = min(done, time.perf_counter() - start)
     print(
-        f"{point.name} ({point.mode}, {point.layout}, T={point.tokens}, {dtype}, {device.type}): host "
+        f"{point.name} ({point.mode}, {point.layout}, T={point.tokens}, {dtype}, "
+        f"{device.type}): host "
         f"{issued / args.forwards * 1e6:.1f} us/forward to issue, "
         f"{done / args.forwards * 1e6:.1f} us/forward to finish"
     )

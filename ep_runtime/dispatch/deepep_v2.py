@@ -12,9 +12,10 @@ What DeepEP hands back, and what this adapter makes of it:
   ``expert_alignment`` -> ``[N, 1]`` global ids from the group offsets (``searchsorted``); the valid
   bound is ``psum_num_recv_tokens_per_expert[-1]``.
 - exact mode: ``do_cpu_sync=True`` (exact sizes), a buffer of the user's ``max_tokens_per_rank``
-  or ``EXACT_BUFFER_TOKENS`` without one, declared as the layer's bound per round. capacity mode: ``do_cpu_sync=False``, worst-case
-  sizes, ``num_max_tokens_per_rank`` rounded up to a power of two (DeepEP JIT-compiles one kernel
-  per value); the layer checks inputs against the user's own cap.
+  or ``EXACT_BUFFER_TOKENS`` without one, declared as the layer's bound per round. capacity
+  mode: ``do_cpu_sync=False``, worst-case sizes, ``num_max_tokens_per_rank`` rounded up to a
+  power of two (DeepEP JIT-compiles one kernel per value); the layer checks inputs against the
+  user's own cap.
 
 The library is injected (``load_library``), so the same adapter runs against an imitation in CPU
 tests and against the real ``deep_ep`` on GPUs. The SM count and GIN policy are in

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tests.multigpu.round_cases import run_rounds_case
 from tests.multigpu.rank_inputs import CaseSpec
+from tests.multigpu.round_cases import run_rounds_case
 
 PREFILL = 4096
 
