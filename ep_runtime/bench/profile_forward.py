@@ -8,8 +8,10 @@ per forward.
 On CUDA, "to issue" is the host's time per forward (forwards issued back to back, no sync), "to
 finish" includes the device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the
 same: at the tiny points the arithmetic is a few microseconds, so the time per forward is the
-layer's Python and dispatch overhead. The time is the best of ``--repeats`` batches of
-``--forwards`` (a shared machine's noise only ever adds).
+layer's Python and dispatch overhead; on a shared machine the process's CPU time (also
+printed) is steadier than the wall time. Times are the best of ``--repeats`` batches of
+``--forwards`` (noise only ever adds). Set ``OMP_NUM_THREADS=1`` on CPU to keep torch's
+thread pool out of the figure.
 """
 
 from __future__ import annotations
@@ -67,20 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
-    issued = done = float("inf")
+    issued = done = cpu = float("inf")
     for _ in range(args.repeats):
         sync(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(args.forwards):
             layer(x, ids, weights)
         issued = min(issued, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
         sync(device)
         done = min(done, time.perf_counter() - start)
     print(
         f"{point.name} ({point.mode}, {point.layout}, T={point.tokens}, {dtype}, "
         f"{device.type}): host "
         f"{issued / args.forwards * 1e6:.1f} us/forward to issue, "
-        f"{done / args.forwards * 1e6:.1f} us/forward to finish"
+        f"{done / args.forwards * 1e6:.1f} us/forward to finish, "
+        f"{cpu / args.forwards * 1e6:.1f} us/forward of this process's CPU time to issue"
     )
     if not args.no_profile:
         profile = cProfile.Profile()
