@@ -27,7 +27,6 @@ from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
     BackendUnavailableError,
     ClosedError,
-    Dispatched,
     DispatchMode,
     EPInputError,
     TopkLayout,
@@ -132,6 +131,9 @@ class EPMoE(torch.nn.Module):
         self._closed = False
         self._weights_loaded = False
         self._warned_about_grad = False
+        # read by every forward: resolved once here
+        self._capacity = self.spec.mode is DispatchMode.CAPACITY
+        self._input_cap = self.spec.max_tokens_per_rank if self._capacity else None
 
     @property
     def mode(self) -> DispatchMode:
@@ -223,9 +225,9 @@ class EPMoE(torch.nn.Module):
         topk_ids = self.eplb.to_physical(topk_ids)
         if out is None:
             out = torch.empty_like(x)
-        if self.poison:
+        if self.spec.poison:
             out.fill_(float("nan"))
-        if self.mode is DispatchMode.CAPACITY:
+        if self._capacity:
             self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
             self.eplb.forward_done(self.experts.load_weights)
             return out
@@ -262,9 +264,9 @@ class EPMoE(torch.nn.Module):
                 topk_ids,
                 topk_weights,
                 config=self.config,
-                dtype=self.dtype,
-                device=self.device,
-                capacity=self.max_tokens_per_rank if self.mode is DispatchMode.CAPACITY else None,
+                dtype=self.spec.dtype,
+                device=self.comm.device,
+                capacity=self._input_cap,
             )
             if out is not None and (
                 out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
@@ -276,12 +278,13 @@ class EPMoE(torch.nn.Module):
                 )
         except Exception as error:
             return error
-        self._warn_if_grad(x=x, topk_weights=topk_weights)
+        if not self._warned_about_grad and (x.requires_grad or topk_weights.requires_grad):
+            self._warn_about_grad(x=x, topk_weights=topk_weights)
         return None
 
-    def _warn_if_grad(self, **tensors: torch.Tensor) -> None:
+    def _warn_about_grad(self, **tensors: torch.Tensor) -> None:
         needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
-        if needing and not self._warned_about_grad:
+        if needing:
             self._warned_about_grad = True
             warnings.warn(
                 f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
@@ -300,8 +303,41 @@ class EPMoE(torch.nn.Module):
         failure: BaseException | None,
     ) -> int:
         """One dispatch → experts → combine round; returns the forward's chunk count. A failure
-        in the experts still takes part in the combine, carrying its status."""
-        dispatched, num_chunks = self._phase(
+        in the experts still takes part in the combine, carrying its status. With a
+        ``phase_timer`` each phase runs through it."""
+        if self.phase_timer is not None:
+            return self._timed_chunk(x, topk_ids, topk_weights, out, num_local_chunks, failure)
+        dispatched, num_chunks = self.dispatcher.dispatch(
+            x,
+            topk_ids,
+            topk_weights,
+            self.layout,
+            layer=self.identity,
+            num_local_chunks=num_local_chunks,
+            failure=failure,
+        )
+        expert_output = None
+        if failure is None:
+            try:
+                expert_output = self.experts.forward(dispatched)
+            except BaseException as error:  # the peers learn it through the combine
+                failure = error
+        self.dispatcher.combine(expert_output, dispatched, out, failure=failure)
+        return num_chunks
+
+    def _timed_chunk(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None,
+        num_local_chunks: int,
+        failure: BaseException | None,
+    ) -> int:
+        """``_forward_chunk`` with each phase run through ``phase_timer``."""
+        timer = self.phase_timer
+        assert timer is not None
+        dispatched, num_chunks = timer(
             "dispatch",
             lambda: self.dispatcher.dispatch(
                 x,
@@ -316,22 +352,14 @@ class EPMoE(torch.nn.Module):
         expert_output = None
         if failure is None:
             try:
-                expert_output = self._phase("experts", lambda: self._experts(dispatched))
+                expert_output = timer("experts", lambda: self.experts.forward(dispatched))
             except BaseException as error:  # the peers learn it through the combine
                 failure = error
-        self._phase(
+        timer(
             "combine",
             lambda: self.dispatcher.combine(expert_output, dispatched, out, failure=failure),
         )
         return num_chunks
-
-    def _experts(self, dispatched: Dispatched) -> torch.Tensor:
-        return self.experts.forward(dispatched)
-
-    def _phase(self, name: str, work: Callable[[], T]) -> T:
-        if self.phase_timer is None:
-            return work()
-        return self.phase_timer(name, work)
 
     def check(self) -> None:
         """Raise failures recorded on the device since the last check (capacity mode on CUDA:

@@ -16,7 +16,6 @@ travels.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +91,30 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
         hidden = self.row_format.hidden(recv)  # [R, H] views into the received bytes
         ids = self.row_format.ids(recv, top_k)
         weights = self.row_format.weights(recv, top_k)
+        if layout is TopkLayout.STANDARD:
+            served = self.ops.local_ids(
+                ids, local_offset=self.local.offset, num_local=self.local.count
+            )
+            dispatched = Dispatched(hidden, served, weights, layout, None)
+            positions = None
+        else:
+            grouped = self.ops.group_rows(
+                hidden,
+                ids,
+                weights,
+                local_offset=self.local.offset,
+                num_local=self.local.count,
+                num_rows=grouped_rows,
+                poison=self.setup.poison,
+            )
+            dispatched = Dispatched(
+                grouped.hidden,
+                grouped.ids.unsqueeze(1),
+                grouped.weights.unsqueeze(1),
+                layout,
+                grouped.offsets,
+            )
+            positions = grouped.positions
         handle = RowHandle(
             packed.route,
             agreed.sent_rows,
@@ -99,30 +122,9 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             send_splits,
             recv_splits,
             recv_total,
-            grouped_positions=None,
+            grouped_positions=positions,
         )
-        if layout is TopkLayout.STANDARD:
-            served = self.ops.local_ids(
-                ids, local_offset=self.local.offset, num_local=self.local.count
-            )
-            return Dispatched(hidden, served, weights, layout, None), handle
-        grouped = self.ops.group_rows(
-            hidden,
-            ids,
-            weights,
-            local_offset=self.local.offset,
-            num_local=self.local.count,
-            num_rows=grouped_rows,
-            poison=self.setup.poison,
-        )
-        dispatched = Dispatched(
-            grouped.hidden,
-            grouped.ids.unsqueeze(1),
-            grouped.weights.unsqueeze(1),
-            layout,
-            grouped.offsets,
-        )
-        return dispatched, dataclasses.replace(handle, grouped_positions=grouped.positions)
+        return dispatched, handle
 
     def _new_buffer(self, phase: Phase, rows: int) -> torch.Tensor:
         """A send buffer of ``rows`` rows, every one of which the caller writes: dispatch
