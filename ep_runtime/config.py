@@ -9,7 +9,10 @@ import torch
 from ep_runtime.quantization import Quantization, check_block_shapes, parse_quantization
 from ep_runtime.types import Activation, EPInputError
 
-DEFAULT_MAX_TOKENS_PER_RANK = 256
+DEFAULT_MAX_TOKENS_PER_RANK = 256  # capacity mode's static cap when none is given
+# exact mode without a bound: the tokens per rank a forward is taken to carry by experts
+# backends that choose by size (a prefill's; the Triton backend's "auto" stays out above 512)
+EXACT_MODE_TOKENS_HINT = 4096
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -21,6 +24,10 @@ class MoEConfig:
     ``dtype`` is the compute dtype; ``None`` means bf16 on CUDA and fp32 on CPU.
     ``quantization``: how expert weights are stored (``None``: the compute dtype;
     ``"fp8_block"``: e4m3 with 128×128 block scales, ep_runtime/quantization.py).
+    ``max_tokens_per_rank``: capacity mode: the static cap, every forward's T must fit it
+    (``None``: ``DEFAULT_MAX_TOKENS_PER_RANK``); exact mode: at most this many tokens per round,
+    a memory bound (``None``: no bound of the user's, a forward runs as one round unless the
+    dispatcher's buffers or free device memory bound it, ep_runtime/rounds.py).
     """
 
     num_experts: int
@@ -29,7 +36,7 @@ class MoEConfig:
     intermediate_size: int
     activation: Activation | str = Activation.SILU
     dtype: torch.dtype | None = None
-    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+    max_tokens_per_rank: int | None = None
     quantization: Quantization | str | None = None
 
     def __post_init__(self) -> None:
@@ -39,8 +46,7 @@ class MoEConfig:
                 raise EPInputError(name, "a positive int", value)
         if self.top_k > self.num_experts:
             raise EPInputError("top_k", f"<= num_experts ({self.num_experts})", self.top_k)
-        if not isinstance(self.max_tokens_per_rank, int) or self.max_tokens_per_rank < 1:
-            raise EPInputError("max_tokens_per_rank", "a positive int", self.max_tokens_per_rank)
+        check_token_bound(self.max_tokens_per_rank)
         try:
             activation = Activation(self.activation)
         except ValueError:
@@ -64,3 +70,9 @@ class MoEConfig:
         if self.dtype is not None:
             return self.dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_token_bound(value: object) -> None:
+    """``max_tokens_per_rank`` is ``None`` or a positive int."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise EPInputError("max_tokens_per_rank", "a positive int or None", value)

@@ -5,7 +5,6 @@ and agreed by every rank in ``agreement.py``; this module runs the forward."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,11 +22,11 @@ from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import Fp8BlockWeights, check_weight_quantization
+from ep_runtime.rounds import RoundBounds, bytes_per_token
 from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
     BackendUnavailableError,
     ClosedError,
-    Dispatched,
     DispatchMode,
     EPInputError,
     TopkLayout,
@@ -43,8 +42,14 @@ class EPMoE(torch.nn.Module):
     """An expert-parallel MoE layer: route-free (ids and weights come in), forward only.
 
     ``group=None`` uses the default process group if initialised, else a world of 1. Rank r owns
-    experts ``[r·L, (r+1)·L)``. In exact mode T may exceed the cap (processed in chunks); in
-    capacity mode T must fit it and nothing syncs with the host.
+    experts ``[r·L, (r+1)·L)``.
+
+    ``max_tokens_per_rank``: in exact mode (the default) buffers are sized to each forward,
+    which runs as one round unless a bound splits it into rounds of at most ``b`` tokens: this
+    argument (``None``, the default: none), the dispatcher's own (fixed-size buffers) or, on
+    CUDA, what fits in free device memory (ep_runtime/rounds.py); ranks agree on the rounds in
+    every forward. In capacity mode it is the static cap (default 256): T must fit it, buffers
+    never change size, nothing syncs with the host and the forward can be a CUDA graph.
     """
 
     def __init__(
@@ -109,9 +114,26 @@ class EPMoE(torch.nn.Module):
         self.experts = experts_cls(experts_setup)
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
         self.identity = LayerIdentity(self.spec.fingerprint(), self.dispatcher.register_layer())
+        world = self.comm.world_size
+        self.rounds = RoundBounds.of(  # exact mode's bounds on the tokens of one round
+            self.spec.max_tokens_per_rank,
+            self.dispatcher.max_round_tokens,
+            bytes_per_token(
+                config.hidden_size,
+                config.intermediate_size,
+                config.w13_rows,
+                config.top_k,
+                world,
+                self.dtype,
+            ),
+            self.comm.device,
+        )
         self._closed = False
         self._weights_loaded = False
         self._warned_about_grad = False
+        # read by every forward: resolved once here
+        self._capacity = self.spec.mode is DispatchMode.CAPACITY
+        self._input_cap = self.spec.max_tokens_per_rank if self._capacity else None
 
     @property
     def mode(self) -> DispatchMode:
@@ -123,8 +145,9 @@ class EPMoE(torch.nn.Module):
         return self.spec.dtype
 
     @property
-    def max_tokens_per_rank(self) -> int:
-        """The cap: rows per rank per dispatch (a chunk in exact mode, the forward in capacity)."""
+    def max_tokens_per_rank(self) -> int | None:
+        """Capacity mode: the cap on a forward's T. Exact mode: the user's bound on the tokens
+        of one round (``None``: none; the layer's own bounds are in ``self.rounds``)."""
         return self.spec.max_tokens_per_rank
 
     @property
@@ -204,21 +227,27 @@ class EPMoE(torch.nn.Module):
         topk_ids = self.eplb.to_physical(topk_ids)
         if out is None:
             out = torch.empty_like(x)
-        if self.poison:
+        if self.spec.poison:
             out.fill_(float("nan"))
-        num_tokens, cap = x.size(0), self.max_tokens_per_rank
-        if self.mode is DispatchMode.CAPACITY:
+        if self._capacity:
             self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
             self.eplb.forward_done(self.experts.load_weights)
             return out
-        num_local_chunks = max(1, math.ceil(num_tokens / cap))
-        chunk, num_chunks = 0, 1
-        while chunk < num_chunks:
-            rows = slice(min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens))
-            num_chunks = self._forward_chunk(
-                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_chunks, None
+        num_tokens = x.size(0)
+        per_round = self.rounds.tokens_per_round(num_tokens)
+        num_local_rounds = max(1, -(-num_tokens // per_round))
+        if num_local_rounds == 1:  # all at once; peers may still need more rounds
+            num_rounds = self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            round_index = 1
+        else:
+            round_index, num_rounds = 0, 1
+        while round_index < num_rounds:  # a rank needing fewer rounds sends empty ones
+            start = min(round_index * per_round, num_tokens)
+            rows = slice(start, min(start + per_round, num_tokens))
+            num_rounds = self._forward_chunk(
+                x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_rounds, None
             )
-            chunk += 1
+            round_index += 1
         self.eplb.forward_done(self.experts.load_weights)
         return out
 
@@ -237,9 +266,9 @@ class EPMoE(torch.nn.Module):
                 topk_ids,
                 topk_weights,
                 config=self.config,
-                dtype=self.dtype,
-                device=self.device,
-                capacity=self.max_tokens_per_rank if self.mode is DispatchMode.CAPACITY else None,
+                dtype=self.spec.dtype,
+                device=self.comm.device,
+                capacity=self._input_cap,
             )
             if out is not None and (
                 out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
@@ -251,12 +280,13 @@ class EPMoE(torch.nn.Module):
                 )
         except Exception as error:
             return error
-        self._warn_if_grad(x=x, topk_weights=topk_weights)
+        if not self._warned_about_grad and (x.requires_grad or topk_weights.requires_grad):
+            self._warn_about_grad(x=x, topk_weights=topk_weights)
         return None
 
-    def _warn_if_grad(self, **tensors: torch.Tensor) -> None:
+    def _warn_about_grad(self, **tensors: torch.Tensor) -> None:
         needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
-        if needing and not self._warned_about_grad:
+        if needing:
             self._warned_about_grad = True
             warnings.warn(
                 f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
@@ -275,8 +305,41 @@ class EPMoE(torch.nn.Module):
         failure: BaseException | None,
     ) -> int:
         """One dispatch → experts → combine round; returns the forward's chunk count. A failure
-        in the experts still takes part in the combine, carrying its status."""
-        dispatched, num_chunks = self._phase(
+        in the experts still takes part in the combine, carrying its status. With a
+        ``phase_timer`` each phase runs through it."""
+        if self.phase_timer is not None:
+            return self._timed_chunk(x, topk_ids, topk_weights, out, num_local_chunks, failure)
+        dispatched, num_chunks = self.dispatcher.dispatch(
+            x,
+            topk_ids,
+            topk_weights,
+            self.layout,
+            layer=self.identity,
+            num_local_chunks=num_local_chunks,
+            failure=failure,
+        )
+        expert_output = None
+        if failure is None:
+            try:
+                expert_output = self.experts.forward(dispatched)
+            except BaseException as error:  # the peers learn it through the combine
+                failure = error
+        self.dispatcher.combine(expert_output, dispatched, out, failure=failure)
+        return num_chunks
+
+    def _timed_chunk(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None,
+        num_local_chunks: int,
+        failure: BaseException | None,
+    ) -> int:
+        """``_forward_chunk`` with each phase run through ``phase_timer``."""
+        timer = self.phase_timer
+        assert timer is not None
+        dispatched, num_chunks = timer(
             "dispatch",
             lambda: self.dispatcher.dispatch(
                 x,
@@ -291,22 +354,14 @@ class EPMoE(torch.nn.Module):
         expert_output = None
         if failure is None:
             try:
-                expert_output = self._phase("experts", lambda: self._experts(dispatched))
+                expert_output = timer("experts", lambda: self.experts.forward(dispatched))
             except BaseException as error:  # the peers learn it through the combine
                 failure = error
-        self._phase(
+        timer(
             "combine",
             lambda: self.dispatcher.combine(expert_output, dispatched, out, failure=failure),
         )
         return num_chunks
-
-    def _experts(self, dispatched: Dispatched) -> torch.Tensor:
-        return self.experts.forward(dispatched)
-
-    def _phase(self, name: str, work: Callable[[], T]) -> T:
-        if self.phase_timer is None:
-            return work()
-        return self.phase_timer(name, work)
 
     def check(self) -> None:
         """Raise failures recorded on the device since the last check (capacity mode on CUDA:
@@ -341,5 +396,5 @@ class EPMoE(torch.nn.Module):
             f"E={c.num_experts}, top_k={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
             f"rank={self.comm.rank}/{self.comm.world_size}, "
             f"{self.choice.describe().splitlines()[0]}, "
-            f"mode={self.mode.value}, cap={self.max_tokens_per_rank}"
+            f"mode={self.mode.value}, max_tokens_per_rank={self.max_tokens_per_rank}"
         )

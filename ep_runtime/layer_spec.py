@@ -14,7 +14,12 @@ import enum
 import torch
 
 from ep_runtime.comm import Comm
-from ep_runtime.config import MoEConfig
+from ep_runtime.config import (
+    DEFAULT_MAX_TOKENS_PER_RANK,
+    EXACT_MODE_TOKENS_HINT,
+    MoEConfig,
+    check_token_bound,
+)
 from ep_runtime.dispatch.base import DispatchSetup
 from ep_runtime.dispatch.protocol import fingerprint_of
 from ep_runtime.experts.base import ExpertsSetup
@@ -28,9 +33,12 @@ NONE_TEXT = "none_text"  # field metadata: how a None value reads in the setting
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """One layer's options. ``config`` is the caller's ``MoEConfig`` with the compute dtype
-    resolved for the device and ``max_tokens_per_rank`` set to the layer's cap (the one place
-    the cap lives). A field left ``None`` reads "none" in the settings unless its metadata names
-    another word (the layout request: "auto")."""
+    resolved for the device and ``max_tokens_per_rank`` set to the layer's bound (the one place
+    it lives): capacity mode's static cap (default ``DEFAULT_MAX_TOKENS_PER_RANK``), or exact
+    mode's tokens per round as the user set it (``None``: no bound of theirs). A field left
+    ``None`` reads "none" in the settings unless its metadata names another word (the layout
+    request: "auto"). Only what every rank is built with is here: the bounds a rank derives
+    for itself (free device memory, rounds.py) are not, so they never enter the settings."""
 
     config: MoEConfig
     mode: DispatchMode
@@ -68,8 +76,9 @@ class LayerSpec:
         except ValueError:
             raise EPInputError("layout", "'auto', 'standard' or 'expanded'", layout) from None
         cap = config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
-            raise EPInputError("max_tokens_per_rank", "a positive int", cap)
+        check_token_bound(cap)
+        if cap is None and checked_mode is DispatchMode.CAPACITY:
+            cap = DEFAULT_MAX_TOKENS_PER_RANK
         resolved = dataclasses.replace(
             config, dtype=config.resolve_dtype(device), max_tokens_per_rank=cap
         )
@@ -96,7 +105,8 @@ class LayerSpec:
         return self.config.dtype
 
     @property
-    def max_tokens_per_rank(self) -> int:
+    def max_tokens_per_rank(self) -> int | None:
+        """Capacity mode: the cap (never ``None``); exact mode: the user's tokens per round."""
         return self.config.max_tokens_per_rank
 
     def dispatch_setup(self, comm: Comm) -> DispatchSetup:
@@ -113,10 +123,11 @@ class LayerSpec:
         )
 
     def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:
+        """Exact mode without a bound tells the experts ``EXACT_MODE_TOKENS_HINT`` tokens per
+        rank (a prefill): what backends choosing by size go by."""
         slot_config = dataclasses.replace(self.config, num_experts=self.num_slots)
-        return ExpertsSetup(
-            slot_config, placement, device, self.dtype, max_tokens_per_rank=self.max_tokens_per_rank
-        )
+        tokens = self.max_tokens_per_rank or EXACT_MODE_TOKENS_HINT
+        return ExpertsSetup(slot_config, placement, device, self.dtype, max_tokens_per_rank=tokens)
 
     def settings(self) -> dict[str, str]:
         """What every rank must agree on: each field as text, a nested dataclass's fields in its

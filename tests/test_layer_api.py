@@ -12,6 +12,7 @@ import torch
 import ep_runtime.dispatch
 import ep_runtime.experts
 from ep_runtime import EPInputError, EPMoE, MoEConfig
+from ep_runtime.config import DEFAULT_MAX_TOKENS_PER_RANK, EXACT_MODE_TOKENS_HINT
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.dispatch.protocol import fingerprint_of
 from ep_runtime.experts import EXPERTS
@@ -78,6 +79,8 @@ def test_every_backend_module_registers_itself(package, registry) -> None:
         dict(),
         dict(mode="capacity", layout="standard", max_tokens_per_rank=8, poison=True),
         dict(dispatcher="torch_a2a", experts="reference", layout="expanded"),
+        dict(mode="capacity"),
+        dict(max_tokens_per_rank=8),
     ],
 )
 def test_the_agreed_settings_are_every_option_once(options) -> None:
@@ -93,7 +96,12 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
             "intermediate_size": "8",
             "activation": "silu",
             "dtype": "torch.float32",  # None resolves to fp32 on CPU
-            "max_tokens_per_rank": str(options.get("max_tokens_per_rank", 256)),
+            # capacity mode's cap defaults to 256; exact mode has no bound unless one is given
+            "max_tokens_per_rank": str(
+                options.get(
+                    "max_tokens_per_rank", 256 if options.get("mode") == "capacity" else None
+                )
+            ).lower(),
             "mode": options.get("mode", "exact"),
             "layout": options.get("layout", "auto"),
             "dispatcher": options.get("dispatcher", "auto"),
@@ -109,12 +117,25 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
         layer.close()
 
 
-def test_the_cap_is_one_value_for_the_layer_its_dispatcher_and_its_experts() -> None:
-    for cap, expected in ((None, CFG.max_tokens_per_rank), (8, 8)):
-        layer = EPMoE(CFG, experts="reference", max_tokens_per_rank=cap, device="cpu")
-        try:
-            assert layer.max_tokens_per_rank == expected
-            assert layer.dispatcher.setup.max_tokens_per_rank == expected
-            assert layer.experts.setup.token_cap == expected
-        finally:
-            layer.close()
+@pytest.mark.parametrize(
+    ("mode", "cap", "expected", "experts_tokens"),
+    [
+        ("capacity", None, DEFAULT_MAX_TOKENS_PER_RANK, DEFAULT_MAX_TOKENS_PER_RANK),
+        ("capacity", 8, 8, 8),
+        ("exact", 8, 8, 8),
+        ("exact", None, None, EXACT_MODE_TOKENS_HINT),  # no bound: experts assume a prefill
+    ],
+)
+def test_the_cap_is_one_value_for_the_layer_its_dispatcher_and_its_experts(
+    mode, cap, expected, experts_tokens
+) -> None:
+    assert CFG.max_tokens_per_rank is None
+    layer = EPMoE(CFG, experts="reference", mode=mode, max_tokens_per_rank=cap, device="cpu")
+    try:
+        assert layer.max_tokens_per_rank == expected
+        assert layer.dispatcher.setup.max_tokens_per_rank == expected
+        assert layer.experts.setup.token_cap == experts_tokens
+        if mode == "exact":
+            assert layer.rounds.fixed == expected
+    finally:
+        layer.close()

@@ -4,12 +4,17 @@ ep_runtime's (``patch_moe_blocks``), at prefill and decode, world size 1 (no pro
 The model has Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of intermediate 768, top-8,
 32 heads / 4 KV heads of 128) with ``--layers`` layers and seeded random weights. Each
 transformers experts implementation in ``--hf-experts`` is timed first; then the same model is
-patched (its MoE blocks become EP blocks) and timed again. Prefill: ``--prefill-batch`` prompts
+patched (its MoE blocks become EP blocks) and timed again, twice: with every layer option at
+its default (the row "ep_runtime defaults": what a user of ``patch_moe_blocks(model)`` gets)
+and with ``max_tokens_per_rank`` tuned to the workload (the row "ep_runtime tuned:
+max_tokens_per_rank=N", N from ``--tuned-max-tokens``, default the prefill's tokens; 0 skips
+it), on a model rebuilt from the same seed. Prefill: ``--prefill-batch`` prompts
 of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
 with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
 medians over ``--iters`` (after ``--warmup``), device-synchronised.
 
-    python -m ep_runtime.bench.hf               # GPU: bf16, the shapes above
+    python -m ep_runtime.bench.hf               # GPU: bf16, the shapes above (Qwen3-30B-A3B
+                                                # layers, prefill 4 x 1024, decode 64 x 16)
     python -m ep_runtime.bench.hf --tiny        # CPU check: a small model, a few tokens
 
 ``--fp32-reference`` also runs the unpatched model once in fp32 (the same weights, upcast, with
@@ -109,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", default="auto", help="ep_runtime experts backend")
     parser.add_argument("--dispatcher", default="auto", help="ep_runtime dispatcher")
     parser.add_argument("--mode", choices=("exact", "capacity"), default="exact")
+    parser.add_argument(
+        "--tuned-max-tokens",
+        type=int,
+        help="max_tokens_per_rank of the tuned row (default: max(prefill tokens, decode "
+        "batch), what a tuned run passes; 0: no tuned row)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -228,17 +239,29 @@ def main(argv: list[str] | None = None) -> int:
         results[f"transformers {implementation}"] = measure(
             model, args, device, prompts, decode_state
         )
-    report = patch_moe_blocks(
-        model,
-        dispatcher=args.dispatcher,
-        experts=args.experts,
-        mode=args.mode,
-        max_tokens_per_rank=max(args.prefill_batch * args.prefill_len, args.decode_batch),
-    )
-    choice = report.choice.splitlines()[0]
-    results[f"ep_runtime ({choice.replace('dispatcher=', '').replace('experts=', '')})"] = measure(
-        model, args, device, prompts, decode_state
-    )
+    tuned = args.tuned_max_tokens
+    if tuned is None:
+        tuned = max(args.prefill_batch * args.prefill_len, args.decode_batch)
+    settings: list[tuple[str, dict]] = [("defaults", {})]
+    if tuned > 0:
+        settings.append((f"tuned: max_tokens_per_rank={tuned}", {"max_tokens_per_rank": tuned}))
+    choices: dict[str, str] = {}
+    ours: list[str] = []
+    for index, (label, options) in enumerate(settings):
+        if index:  # the same weights again (seeded), unpatched
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch.manual_seed(args.seed)
+            model = build_model(args, device, dtype)
+        report = patch_moe_blocks(
+            model, dispatcher=args.dispatcher, experts=args.experts, mode=args.mode, **options
+        )
+        choice = report.choice.splitlines()[0].replace("dispatcher=", "").replace("experts=", "")
+        name = f"ep_runtime {label} ({choice})"
+        results[name] = measure(model, args, device, prompts, decode_state)
+        choices[label] = report.choice
+        ours.append(name)
 
     baseline_name = next(iter(results))
     tolerance = tolerance_for(dtype, max(config.hidden_size, config.moe_intermediate_size))
@@ -280,16 +303,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['vs_baseline']:.2f}x",
             )
     console.print(table)
-    ours = results[list(results)[-1]]["logits"]
-    agreement = compare_per_token(ours, results[baseline_name]["logits"], tolerance)
     console.print(
-        f"prefill last-token logits, ep_runtime vs {baseline_name}: {agreement.describe()}",
+        f"baseline: {baseline_name}; 'defaults': patch_moe_blocks(model) with every layer option "
+        "at its default" + (f"; 'tuned': {settings[1][0].split(': ')[1]}" if tuned > 0 else ""),
         highlight=False,
     )
+    agreements = {}
+    for name in ours:
+        agreement = compare_per_token(
+            results[name]["logits"], results[baseline_name]["logits"], tolerance
+        )
+        agreements[name] = agreement.describe()
+        console.print(
+            f"prefill last-token logits, {name} vs {baseline_name}: {agreement.describe()}",
+            highlight=False,
+        )
     # the same comparison between transformers' own implementations: how far two correct
     # computations of this model drift apart in this dtype (routing near-ties flip in bf16)
-    for name in list(results)[:-1]:
-        if name != baseline_name:
+    for name in results:
+        if name != baseline_name and name not in ours:
             spread = compare_per_token(
                 results[name]["logits"], results[baseline_name]["logits"], tolerance
             )
@@ -324,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "command": command,
                     "rows": rows,
-                    "logits_agreement": agreement.describe(),
+                    "logits_agreement": agreements,
                     "fp32_distance": fp32_distance,
-                    "ep_choice": report.choice,
+                    "ep_choice": choices,
                 },
                 indent=2,
             )

@@ -69,27 +69,27 @@ class Measured:
     eager_over_gemms: float
 
 
-def inputs(point: Point, device: torch.device, seed: int = 0):
+def inputs(point: Point, device: torch.device, seed: int = 0, dtype: torch.dtype = BF16):
     """Weights, tokens, and balanced routing (distinct random experts per token)."""
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = point.num_experts, point.hidden, point.intermediate
-    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(BF16)
-    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).to(BF16)
-    x = torch.randn(point.tokens, h, device=device, generator=g).to(BF16)
+    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).to(dtype)
+    x = torch.randn(point.tokens, h, device=device, generator=g).to(dtype)
     scores = torch.rand(point.tokens, e, device=device, generator=g)
     ids = scores.topk(point.top_k, dim=1).indices.to(torch.int32)
     weights = torch.rand(point.tokens, point.top_k, device=device, generator=g)
     return w13, w2, x, ids, weights
 
 
-def build_layer(point: Point, device: torch.device) -> EPMoE:
+def build_layer(point: Point, device: torch.device, dtype: torch.dtype = BF16) -> EPMoE:
     """The layer of one point: ``torch_a2a`` + ``grouped_mm``, world size 1."""
     config = MoEConfig(
         point.num_experts,
         point.top_k,
         point.hidden,
         point.intermediate,
-        dtype=BF16,
+        dtype=dtype,
         max_tokens_per_rank=point.tokens,
     )
     return EPMoE(

@@ -1,7 +1,17 @@
 """Where a layer forward spends host time: cProfile over forwards of one point of
-``python -m ep_runtime.bench`` (one CUDA GPU), and the host time per forward.
+``python -m ep_runtime.bench`` (or a tiny point, which CPU runs in no time), and the host time
+per forward.
 
     python -m ep_runtime.bench.profile_forward --point qwen3-30b-a3b-decode --forwards 50
+    python -m ep_runtime.bench.profile_forward --device cpu --point tiny-decode --forwards 500
+
+On CUDA, "to issue" is the host's time per forward (forwards issued back to back, no sync), "to
+finish" includes the device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the
+same: at the tiny points the arithmetic is a few microseconds, so the time per forward is the
+layer's Python and dispatch overhead; on a shared machine the process's CPU time (also
+printed) is steadier than the wall time. Times are the best of ``--repeats`` batches of
+``--forwards`` (noise only ever adds). Set ``OMP_NUM_THREADS=1`` on CPU to keep torch's
+thread pool out of the figure.
 """
 
 from __future__ import annotations
@@ -14,43 +24,78 @@ import time
 
 import torch
 
-from ep_runtime.bench.layer import POINTS, build_layer, inputs
+from ep_runtime.bench.layer import POINTS, Point, build_layer, inputs
+
+# small shapes for finding Python overhead on any machine (world size 1, grouped_mm)
+TINY_POINTS = {
+    point.name: point
+    for point in (
+        Point("tiny-decode", 8, 16, 64, 32, 2, "capacity", "expanded"),
+        Point("tiny-prefill", 8, 64, 64, 32, 2, "exact", "expanded"),
+    )
+}
 
 
-def main() -> int:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ep_runtime.bench.profile_forward", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--point", choices=sorted(POINTS), default="qwen3-30b-a3b-decode")
+    points = {**POINTS, **TINY_POINTS}
+    parser.add_argument("--point", choices=sorted(points), default="qwen3-30b-a3b-decode")
+    parser.add_argument("--mode", choices=("exact", "capacity"), help="override the point's mode")
+    parser.add_argument("--layout", choices=("standard", "expanded"), help="override its layout")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--forwards", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
-    args = parser.parse_args()
-    point, device = POINTS[args.point], torch.device("cuda", torch.cuda.current_device())
-    w13, w2, x, ids, weights = inputs(point, device)
-    layer = build_layer(point, device)
+    parser.add_argument("--no-profile", action="store_true", help="only the time per forward")
+    args = parser.parse_args(argv)
+    point = points[args.point]
+    overrides = {"mode": args.mode, "layout": args.layout}
+    point = Point(**{**point.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if use_cuda else torch.float32
+    )
+    w13, w2, x, ids, weights = inputs(point, device, dtype=dtype)
+    layer = build_layer(point, device, dtype=dtype)
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.forwards):
-        layer(x, ids, weights)
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    done = time.perf_counter() - start
+    issued = done = cpu = float("inf")
+    for _ in range(args.repeats):
+        sync(device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(args.forwards):
+            layer(x, ids, weights)
+        issued = min(issued, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+        sync(device)
+        done = min(done, time.perf_counter() - start)
     print(
-        f"{args.point}: host {issued / args.forwards * 1e3:.3f} ms/forward to issue, "
-        f"{done / args.forwards * 1e3:.3f} ms/forward to finish"
+        f"{point.name} ({point.mode}, {point.layout}, T={point.tokens}, {dtype}, "
+        f"{device.type}): host "
+        f"{issued / args.forwards * 1e6:.1f} us/forward to issue, "
+        f"{done / args.forwards * 1e6:.1f} us/forward to finish, "
+        f"{cpu / args.forwards * 1e6:.1f} us/forward of this process's CPU time to issue"
     )
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.forwards):
-        layer(x, ids, weights)
-    profile.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(profile).strip_dirs()
-    stats.sort_stats("tottime").print_stats(args.top)
-    stats.sort_stats("cumtime").print_stats(args.top)
+    if not args.no_profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.forwards):
+            layer(x, ids, weights)
+        profile.disable()
+        sync(device)
+        stats = pstats.Stats(profile).strip_dirs()
+        stats.sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats("cumtime").print_stats(args.top)
     layer.close()
     return 0
 

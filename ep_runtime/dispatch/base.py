@@ -19,9 +19,7 @@ process is shared by all layers (``cache.py``).
 from __future__ import annotations
 
 import abc
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, final
 
@@ -80,6 +78,9 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     name: ClassVar[str]
     capabilities: ClassVar[DispatcherCapabilities]
     auto_priority: ClassVar[int] = 0
+    # exact mode: the most tokens per rank one round may carry, where the transport's buffers
+    # have a fixed size (an instance sets it from its setup); None: sized per forward, no bound
+    max_round_tokens: int | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -97,6 +98,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         self.placement = setup.placement
         self.ops = resolve_ops(setup.device)
         self.protocol = ForwardProtocol(self.comm, self.ops, setup.device, setup.checks)
+        self._containments = {phase: _Containment(self, phase) for phase in ("dispatch", "combine")}
         self._num_layers = 0
         self._closed = False
 
@@ -136,7 +138,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         status = ForwardStatus.of(failure)
         fields = self.protocol.dispatch_fields(status, layer, top_k, num_local_chunks)
         self.comm.layer_in_flight = layer.index
-        with self._containing("dispatch"):
+        with self._containments["dispatch"]:
             route, header_pair = self._route(topk_ids, fields)
             packed = self._pack(x, topk_weights, route)
             received = self.comm.all_to_all(header_pair[0], recv=header_pair[1])
@@ -156,9 +158,18 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         if not self.protocol.checks.on_device:
             outcome.raise_error()
         assert sent is not None and outcome.agreed is not None
-        dispatched, transport = sent
+        d, transport = sent
         handle = ForwardHandle(layer, transport, outcome.late_error)
-        return dataclasses.replace(dispatched, handle=handle), outcome.agreed.num_chunks
+        with_handle = Dispatched(
+            d.hidden_states,
+            d.topk_ids,
+            d.topk_weights,
+            d.layout,
+            d.expert_offsets,
+            handle,
+            hidden_states_scale=d.hidden_states_scale,
+        )
+        return with_handle, outcome.agreed.num_chunks
 
     @final
     def combine(
@@ -175,7 +186,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         self.comm.check_usable()
         handle: ForwardHandle[HandleT] = dispatched.handle
         status = self.protocol.status_to_carry(ForwardStatus.of(failure), handle.layer)
-        with self._containing("combine"):
+        with self._containments["combine"]:
             results = None if failure is not None else expert_output
             returned, statuses = self._exchange_combine(
                 results, dispatched, handle.transport, status
@@ -189,18 +200,6 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
             raise error
         assert result is not None
         return result
-
-    @contextlib.contextmanager
-    def _containing(self, phase: str) -> Iterator[None]:
-        """An unexpected exception inside a phase leaves the peers in a collective this rank
-        will not reach: tell them (a notice they poll) and refuse later use."""
-        try:
-            yield
-        except (RemoteRankError, GroupUnusableError, ForwardMismatchError):
-            raise
-        except BaseException as error:
-            self.comm.leave_in_failure(f"failed inside {phase}: {type(error).__name__}: {error}")
-            raise
 
     def _route(self, topk_ids: torch.Tensor, fields: HeaderFields) -> tuple[Route, torch.Tensor]:
         """Destinations of this rank's tokens, ids cast and checked, and the header; returns
@@ -293,6 +292,29 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     def close(self) -> None:
         self._closed = True
         self.comm.close()
+
+
+class _Containment:
+    """``with``: an unexpected exception inside a phase leaves the peers in a collective this
+    rank will not reach: tell them (a notice they poll) and refuse later use. (A class, built
+    once per phase: no generator per forward.)"""
+
+    def __init__(self, dispatcher: Dispatcher, phase: str) -> None:
+        self.dispatcher = dispatcher
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb) -> bool:
+        if error is None or isinstance(
+            error, (RemoteRankError, GroupUnusableError, ForwardMismatchError)
+        ):
+            return False
+        self.dispatcher.comm.leave_in_failure(
+            f"failed inside {self.phase}: {type(error).__name__}: {error}"
+        )
+        return False
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("dispatcher")

@@ -11,9 +11,11 @@ What DeepEP hands back, and what this adapter makes of it:
 - EXPANDED (``do_expand=True``): no ids, 1-D weights, rows grouped by local expert and padded to
   ``expert_alignment`` -> ``[N, 1]`` global ids from the group offsets (``searchsorted``); the valid
   bound is ``psum_num_recv_tokens_per_expert[-1]``.
-- exact mode: ``do_cpu_sync=True`` (exact sizes). capacity mode: ``do_cpu_sync=False``, worst-case
-  sizes, ``num_max_tokens_per_rank`` rounded up to a power of two (DeepEP JIT-compiles one kernel
-  per value); the layer checks inputs against the user's own cap.
+- exact mode: ``do_cpu_sync=True`` (exact sizes), a buffer of the user's ``max_tokens_per_rank``
+  or ``EXACT_BUFFER_TOKENS`` without one, declared as the layer's bound per round. capacity
+  mode: ``do_cpu_sync=False``, worst-case sizes, ``num_max_tokens_per_rank`` rounded up to a
+  power of two (DeepEP JIT-compiles one kernel per value); the layer checks inputs against the
+  user's own cap.
 
 The library is injected (``load_library``), so the same adapter runs against an imitation in CPU
 tests and against the real ``deep_ep`` on GPUs. The SM count and GIN policy are in
@@ -43,6 +45,7 @@ from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, Pee
 from ep_runtime.kernels import Route
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
+EXACT_BUFFER_TOKENS = 4096  # exact mode without the user's bound: tokens per rank per round
 # JIT compilation on one rank's first call stalls the others: vLLM uses 1800 s for the same reason.
 TIMEOUT_SECS = 1800
 
@@ -237,7 +240,12 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
         self.local = self.placement.local
         exact = setup.mode is DispatchMode.EXACT
         cap = setup.max_tokens_per_rank
-        self.buffer_tokens = cap if exact else next_power_of_two(cap)
+        if exact:
+            self.buffer_tokens = EXACT_BUFFER_TOKENS if cap is None else cap
+            self.max_round_tokens = self.buffer_tokens
+        else:
+            assert cap is not None  # capacity mode always has its cap
+            self.buffer_tokens = next_power_of_two(cap)
         self.num_sms = default_num_sms(setup.device)
         if self.comm.group is not None:  # torch creates communicators lazily: warm the group
             dist.all_reduce(torch.zeros(1, device=self.comm.device), group=self.comm.group)

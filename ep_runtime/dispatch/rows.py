@@ -18,7 +18,6 @@ travels.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +98,38 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
         row_format = self.row_format
         hidden = row_format.hidden(recv)  # [R, H] views into the received bytes
         scale = row_format.scales(recv) if row_format.quantized else None  # [R, H/128]
-        ids = self.row_format.ids(recv, top_k)
-        weights = self.row_format.weights(recv, top_k)
+        ids = row_format.ids(recv, top_k)
+        weights = row_format.weights(recv, top_k)
+        if layout is TopkLayout.STANDARD:
+            served = self.ops.local_ids(
+                ids, local_offset=self.local.offset, num_local=self.local.count
+            )
+            dispatched = Dispatched(
+                hidden, served, weights, layout, None, hidden_states_scale=scale
+            )
+            positions = None
+        else:
+            grouped = self.ops.group_rows(
+                row_format.payload_words(recv) if row_format.quantized else hidden,
+                ids,
+                weights,
+                local_offset=self.local.offset,
+                num_local=self.local.count,
+                num_rows=grouped_rows,
+                poison=self.setup.poison,
+            )
+            grouped_hidden, grouped_scale = grouped.hidden, None
+            if row_format.quantized:  # e4m3 values and scales regrouped together, bit for bit
+                grouped_hidden, grouped_scale = row_format.split_payload(grouped.hidden)
+            dispatched = Dispatched(
+                grouped_hidden,
+                grouped.ids.unsqueeze(1),
+                grouped.weights.unsqueeze(1),
+                layout,
+                grouped.offsets,
+                hidden_states_scale=grouped_scale,
+            )
+            positions = grouped.positions
         handle = RowHandle(
             packed.route,
             agreed.sent_rows,
@@ -108,36 +137,9 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             send_splits,
             recv_splits,
             recv_total,
-            grouped_positions=None,
+            grouped_positions=positions,
         )
-        if layout is TopkLayout.STANDARD:
-            served = self.ops.local_ids(
-                ids, local_offset=self.local.offset, num_local=self.local.count
-            )
-            return Dispatched(
-                hidden, served, weights, layout, None, hidden_states_scale=scale
-            ), handle
-        grouped = self.ops.group_rows(
-            row_format.payload_words(recv) if row_format.quantized else hidden,
-            ids,
-            weights,
-            local_offset=self.local.offset,
-            num_local=self.local.count,
-            num_rows=grouped_rows,
-            poison=self.setup.poison,
-        )
-        grouped_hidden, grouped_scale = grouped.hidden, None
-        if row_format.quantized:  # e4m3 values and scales regrouped together, bit for bit
-            grouped_hidden, grouped_scale = row_format.split_payload(grouped.hidden)
-        dispatched = Dispatched(
-            grouped_hidden,
-            grouped.ids.unsqueeze(1),
-            grouped.weights.unsqueeze(1),
-            layout,
-            grouped.offsets,
-            hidden_states_scale=grouped_scale,
-        )
-        return dispatched, dataclasses.replace(handle, grouped_positions=grouped.positions)
+        return dispatched, handle
 
     def _new_buffer(self, phase: Phase, rows: int) -> torch.Tensor:
         """A send buffer of ``rows`` rows, every one of which the caller writes: dispatch

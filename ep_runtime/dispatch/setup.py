@@ -47,7 +47,7 @@ class DispatchSetup:
     num_experts: int
     hidden_size: int
     max_top_k: int
-    max_tokens_per_rank: int
+    max_tokens_per_rank: int | None  # capacity: the cap; exact: the user's bound per round or None
     dtype: torch.dtype
     mode: DispatchMode
     poison: bool = False  # debug: NaN in padding rows and filler

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.comm import Comm
+from ep_runtime.config import DEFAULT_MAX_TOKENS_PER_RANK
 from ep_runtime.dispatch.base import DISPATCHERS
 from ep_runtime.dispatch.protocol import Agreed, Phase
 from ep_runtime.dispatch.rows import RowDispatcher, RowHandle, RowPacked
@@ -138,7 +139,8 @@ class TorchSymmMemDispatcher(RowDispatcher):
         # chunks back to back in both modes; capacity mode bounds the buffers, not each chunk
         self.chunks = ChunkLayout(self.chunks.header_rows, None)
         world = self.comm.world_size
-        self.max_rows = world * (self.chunks.header_rows + setup.max_tokens_per_rank)
+        self.max_round_tokens = setup.max_tokens_per_rank or DEFAULT_MAX_TOKENS_PER_RANK
+        self.max_rows = world * (self.chunks.header_rows + self.max_round_tokens)
         widths = {
             Phase.DISPATCH: (self.row_format.row_bytes, torch.uint8),
             Phase.COMBINE: (setup.hidden_size, setup.dtype),
@@ -184,7 +186,7 @@ class TorchSymmMemDispatcher(RowDispatcher):
                 "torch_symm_mem: dispatch called again before the previous dispatch was "
                 "combined; its rows live in the buffers this dispatch would overwrite"
             )
-        cap = self.setup.max_tokens_per_rank
+        cap = self.max_round_tokens
         if x.size(0) > cap:
             raise EPInputError("x", f"at most max_tokens_per_rank={cap} rows", x.size(0))
         return super()._pack(x, topk_weights, route)

@@ -1,0 +1,85 @@
+"""How many tokens one exact-mode round carries: as many as the forward has, unless a bound says
+otherwise.
+
+Exact mode sizes its buffers to the forward it is given, so a forward runs as one round by
+default. Three bounds can split it into rounds of at most ``b`` tokens (the smallest wins):
+
+- the user's ``max_tokens_per_rank`` (a memory bound they chose; agreed by every rank at build);
+- the dispatcher's own (``Dispatcher.max_round_tokens``: fixed-size buffers, DeepEP's
+  ``ElasticBuffer``);
+- on CUDA, the layer's estimate of what fits in free device memory (per rank, read when a
+  forward is large enough to matter; ``bytes_per_token`` has the formula).
+
+The ranks agree on the number of rounds in every forward's header (the most any rank needs; a
+rank that needs fewer sends empty rounds), so the bounds may differ between ranks and none of
+them that is derived per rank enters the agreed settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MEMORY_FRACTION = 0.5  # of the free memory a round's buffers may take (headroom: imbalance, model)
+QUERY_ABOVE_BYTES = 64 << 20  # forwards whose buffers are estimated below this never ask
+
+
+def bytes_per_token(
+    hidden_size: int,
+    intermediate_size: int,
+    w13_rows: int,
+    top_k: int,
+    world_size: int,
+    dtype: torch.dtype,
+) -> int:
+    """Device bytes one token of this rank adds to an exact-mode forward's buffers, taking a
+    rank to receive about as many rows as it sends. With ``m = min(K, W)`` (wire rows per token:
+    one per destination rank), ``s`` the compute dtype's size and a wire row ``H·s + 8K`` bytes
+    (hidden, ids int32, weights fp32)::
+
+        2·m·(H·s + 8K)          dispatch send + receive
+      + 2·m·H·s                 combine send + receive
+      + K·H·s                   the rows grouped by expert (EXPANDED)
+      + K·(w13_rows + I)·s      GEMM1's output and the activation
+      + K·H·s                   GEMM2's output
+    """
+    s, m = dtype.itemsize, min(top_k, world_size)
+    wire = 2 * m * (hidden_size * s + 8 * top_k) + 2 * m * hidden_size * s
+    experts = top_k * (2 * hidden_size + w13_rows + intermediate_size) * s
+    return wire + experts
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a forward can still allocate on ``device``: the driver's free memory plus what
+    torch's caching allocator holds unused; None off CUDA (no bound)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+@dataclass(frozen=True)
+class RoundBounds:
+    """The bounds on one layer's exact-mode rounds: the fixed ones (the user's and the
+    dispatcher's, the smaller of them) and what the memory one is computed from."""
+
+    fixed: int | None  # min(max_tokens_per_rank, Dispatcher.max_round_tokens); None: neither
+    bytes_per_token: int
+    device: torch.device
+
+    @classmethod
+    def of(
+        cls, user: int | None, dispatcher: int | None, bytes_per_token: int, device: torch.device
+    ) -> RoundBounds:
+        bounds = [b for b in (user, dispatcher) if b is not None]
+        return cls(min(bounds) if bounds else None, bytes_per_token, device)
+
+    def tokens_per_round(self, num_tokens: int) -> int:
+        """Tokens per round for a forward of ``num_tokens`` on this rank (at least 1)."""
+        tokens = num_tokens if self.fixed is None else min(self.fixed, num_tokens)
+        if tokens * self.bytes_per_token > QUERY_ABOVE_BYTES:
+            free = free_device_bytes(self.device)
+            if free is not None:
+                tokens = min(tokens, int(MEMORY_FRACTION * free) // self.bytes_per_token)
+        return max(1, tokens)
