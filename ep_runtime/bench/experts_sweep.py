@@ -23,7 +23,7 @@ import torch
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.bench.layer import Point, copy_rate_bytes_per_ms, inputs, time_ms
-from ep_runtime.kernels import group_rows, weighted_activation
+from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 BF16 = torch.bfloat16
@@ -58,12 +58,13 @@ class Row:
 def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
     """The two ``torch._grouped_mm`` calls alone on the grouped rows of this routing."""
     num_experts = w13.size(0)
-    grouped = group_rows(
+    ops = resolve_ops(x.device)
+    grouped = ops.group_rows(
         x, ids, weights, local_offset=0, num_local=num_experts, num_rows=ids.numel()
     )
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
     ends = grouped.offsets[1:]
-    activated = weighted_activation(
+    activated = ops.weighted_activation(
         torch._grouped_mm(grouped.hidden, w13_t, offs=ends), grouped.weights, gated=True
     )
 
