@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from ep_runtime import EPMoE
-from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm
+from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm, time_weights_read
 from ep_runtime.bench.metrics import (
     Traffic,
     destination_rows,
@@ -279,10 +279,13 @@ class LayerRankWorker:
         return graph
 
     def baselines(self) -> None:
-        """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
+        """The all-to-all floor (both directions) and the experts' compute and memory floors
+        (dense GEMMs of the same FLOPs; reading the weights of the local experts with tokens)."""
         run, model = self.workload, self.workload.model
         iters, warmup = max(1, run.iters), run.warmup
         num_pairs = sum(self.expert_counts[e] for e in self.local_experts)
+        touched = sum(1 for e in self.local_experts if self.expert_counts[e])
+        read_bytes = self.expert_weight_bytes * touched // len(self.local_experts)
         self.baseline_times = {
             "a2a_dispatch": time_all_to_all(
                 self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup
@@ -300,6 +303,7 @@ class LayerRankWorker:
                 iters,
                 warmup,
             ),
+            "weights_read": time_weights_read(self.clock, read_bytes, iters, warmup),
         }
 
     def summarize(self) -> dict:
