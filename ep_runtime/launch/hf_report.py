@@ -209,7 +209,7 @@ def print_hf_report(report: dict, console: Console) -> None:
     console.print(generation)
     console.print(held)
     total = _count(report["per_rank"][0]["expert_params_freed"])
-    console.print(f"[dim]params: of {total} routed-expert parameters in the model[/]")
+    console.print(f"[dim]the model has {total} routed-expert parameters in all[/]")
     for line in report["conventions"]:
         console.print(f"[dim]{line}[/]", highlight=False)
 
