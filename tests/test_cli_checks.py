@@ -157,3 +157,16 @@ def test_every_option_of_the_parser_has_a_row():
     for action in cli.build_parser()._actions:
         if action.option_strings and action.option_strings[0] != "-h":
             assert f"`{', '.join(action.option_strings)}" in rows, action.option_strings
+
+
+# item 10: the README's report files do not show up as untracked --------------------------------
+def test_reports_written_in_the_clones_root_are_ignored_by_git():
+    done = subprocess.run(
+        ["git", "check-ignore", "out.json", "out.png", "ep16.json", "out/report.json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert done.stdout.split() == ["out.json", "out.png", "ep16.json", "out/report.json"]

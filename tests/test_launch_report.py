@@ -407,3 +407,41 @@ def test_plot_names_the_run_and_explains_its_colours(tmp_path):
         ]
     finally:
         plt.close(figure)
+
+
+def test_a_decode_shaped_cpu_run_takes_the_weights_memory_floor_as_experts_baseline():
+    """Item 11, measured: 2 tokens per rank over 8 experts of 12.6 MB (fp32) read the weights of
+    up to 4 experts, while the same-FLOPs dense GEMMs read one expert's worth: the memory floor
+    is the larger, so it is the experts' baseline (and layer_floor's part)."""
+    import torch
+    import torch.distributed as dist
+
+    from ep_runtime.launch.layer_run import LayerWorkload
+    from ep_runtime.launch.presets import PRESETS
+    from ep_runtime.launch.rank import RankWorker, plan
+    from ep_runtime.launch.spec import RunSpec
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    model = PRESETS["tiny"].with_overrides(
+        hidden_size=1024, intermediate_size=1024, num_experts=8, top_k=2, tokens_per_rank=2
+    )
+    workload = LayerWorkload(model=model, dtype="fp32", iters=5, warmup=2, layouts=("expanded",))
+    spec = RunSpec(world_size=1, device="cpu", workload=workload)
+    threads = torch.get_num_threads()
+    worker = RankWorker(spec, 0)
+    worker.init_process_group(store=dist.HashStore())
+    try:
+        summary = {}
+        for step in plan(spec):
+            summary = worker.step(step.method, step.args)
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
+    report = build_report(spec.to_json(), "spawn", [summary], 1.0)
+    baselines = report["baselines"]
+    assert baselines["weights_read"]["median_ms"] > baselines["dense_gemm"]["median_ms"]
+    assert report["experts_baseline"] == "weights_read"
+    parts = baselines["layer_floor"]["parts"]
+    assert parts == ("a2a_dispatch", "weights_read", "a2a_combine")
+    assert "experts_vs_weights_read" in report["cases"][0]["vs_baseline"]

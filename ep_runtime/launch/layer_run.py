@@ -131,6 +131,7 @@ class LayerRankWorker:
         self.graph_out: torch.Tensor | None = None  # [T, H] the graph's static output
         self.case = -1
         self.cases: list[dict] = []
+        self.layer_peak_bytes: int | None = None  # peak memory before the baselines ran
 
     def setup(self) -> None:
         """Inputs and routing of this rank and the global routing counts."""
@@ -281,6 +282,7 @@ class LayerRankWorker:
     def baselines(self) -> None:
         """The all-to-all floor (both directions) and the experts' compute and memory floors
         (dense GEMMs of the same FLOPs; reading the weights of the local experts with tokens)."""
+        self.layer_peak_bytes = peak_memory_bytes(self.device)  # the layers', not the copy's
         run, model = self.workload, self.workload.model
         iters, warmup = max(1, run.iters), run.warmup
         num_pairs = sum(self.expert_counts[e] for e in self.local_experts)
@@ -337,7 +339,7 @@ class LayerRankWorker:
             "local_expert_counts": local_counts,
             "expert_imbalance": imbalance(local_counts),
             "expert_weight_bytes": self.expert_weight_bytes,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": self.layer_peak_bytes or peak_memory_bytes(self.device),
             "cases": cases,
             # identical on every rank:
             "global_expert_counts": self.expert_counts,
