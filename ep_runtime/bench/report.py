@@ -33,6 +33,9 @@ CONVENTIONS = (
     "overlap); a reference point, not a bound; for the layer, base/phase = layer_floor / layer "
     "time",
     "max/mean = a rank's busiest expert over its mean expert load, in (token, expert) pairs",
+    "recv rows / recv MB = the rows a rank receives in a dispatch (their hidden payload); pairs "
+    "= its valid (token, expert) pairs; weights MB = its expert shard; peak MB = its peak memory "
+    "before the baselines ran (CUDA: allocated; CPU: resident set)",
     f"rel err = max over the validated tokens of {RELATIVE_ERROR} against reference_moe (fp64; "
     "the size of the summed terms, so cancelling terms are judged fairly); ok = within the "
     "tolerance and the phase-timed forward's output equals the layer's bitwise",
