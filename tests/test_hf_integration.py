@@ -52,7 +52,8 @@ def test_block_output_and_routing_match_the_hf_block(arch: str, dtype: torch.dty
     hf_blocks = find_moe_blocks(reference)
     assert [b.name for b in report.blocks] == [name for name, _ in hf_blocks]
     for (_, hf_block), patched in zip(hf_blocks, report.blocks, strict=True):
-        expected, got = hf_block(x), patched.module(x)
+        with torch.no_grad():  # inference, as EPMoE is forward-only
+            expected, got = hf_block(x), patched.module(x)
         assert type(got) is type(expected) and got.shape == expected.shape
         assert got.dtype == expected.dtype
         comparison = compare_per_token(
@@ -130,7 +131,8 @@ def test_a_zero_token_step_runs_every_block() -> None:
     calls: list[str] = []
     for block in report.blocks:
         block.module.register_forward_hook(lambda m, a, out, n=block.name: calls.append(n))
-    report.forward_idle()
+    with torch.no_grad():
+        report.forward_idle()
     assert calls == [b.name for b in report.blocks]
 
 

@@ -20,7 +20,21 @@ def _stats(median_s: float) -> dict:
     return {"median_s": median_s, "min_s": median_s / 2, "max_s": median_s * 2, "iterations": 3}
 
 
-def _summary(rank: int, world: int, layouts: list[str], host: str, failing: set) -> dict:
+CHOICE = (
+    "dispatcher=torch_a2a experts=grouped_mm layout={layout}\n"
+    "  passed over experts:reference: runs here too; grouped_mm ranks higher\n"
+    "  refused dispatcher:deepep_v2: runs on ['cuda'], not cpu"
+)
+
+
+def _summary(
+    rank: int,
+    world: int,
+    layouts: list[str],
+    host: str,
+    failing: set,
+    baselines: dict[str, float] | None = None,
+) -> dict:
     """What ``RankWorker.summarize`` returns, with round numbers; ``failing`` holds the
     (rank, layout) pairs whose validation failed."""
     experts = 16 // world
@@ -35,7 +49,7 @@ def _summary(rank: int, world: int, layouts: list[str], host: str, failing: set)
                 "experts": "grouped_mm",
                 "layout": layout,
                 "refused": {},
-                "choice": "torch_a2a + grouped_mm",
+                "choice": CHOICE.format(layout=layout),
                 "phases": {p: _stats(0.001 * (i + 1 + index)) for i, p in enumerate(PHASES)},
                 "validation": {
                     "passed": not failed,
@@ -73,12 +87,17 @@ def _summary(rank: int, world: int, layouts: list[str], host: str, failing: set)
         "global_expert_counts": [10 + e // experts for e in range(16)],
         "traffic_rows": [[1] * world for _ in range(world)],
         "baselines": {
-            name: _stats(0.0005) for name in ("a2a_dispatch", "a2a_combine", "dense_gemm")
+            name: _stats(seconds)
+            for name, seconds in (
+                baselines or {"a2a_dispatch": 0.0005, "a2a_combine": 0.0005, "dense_gemm": 0.0005}
+            ).items()
         },
     }
 
 
-def _report(world: int = 4, layouts=("standard",), host: str = "vm", failing=frozenset()):
+def _report(
+    world: int = 4, layouts=("standard",), host: str = "vm", failing=frozenset(), baselines=None
+):
     spec = {
         "device": "cpu",
         "mode": "exact",
@@ -92,7 +111,7 @@ def _report(world: int = 4, layouts=("standard",), host: str = "vm", failing=fro
             "tokens_per_rank": 64,
         },
     }
-    ranks = [_summary(r, world, list(layouts), host, set(failing)) for r in range(world)]
+    ranks = [_summary(r, world, list(layouts), host, set(failing), baselines) for r in range(world)]
     return build_report(spec, "spawn", ranks, 1.0)
 
 
@@ -157,10 +176,11 @@ def test_both_layouts_get_their_own_validation_table_naming_the_layout():
 def test_legend_and_readme_explain_layer_floor():
     text = _render(_report(), 80)
     legend = " ".join(text.split())
-    assert "layer_floor = a2a_dispatch + dense_gemm + a2a_combine" in legend
+    assert "layer_floor = a2a_dispatch + experts' baseline + a2a_combine" in legend
     readme = " ".join((REPO / "README.md").read_text().split())
     launcher_section = readme[readme.index("## The launcher") : readme.index("## Backends")]
-    assert "layer_floor" in launcher_section and "a2a_dispatch + dense_gemm" in launcher_section
+    assert "layer_floor" in launcher_section
+    assert "a2a_dispatch + experts' baseline + a2a_combine" in launcher_section
     # the sum the legend states is the number reported: three baselines of 0.5 ms each
     assert _report()["baselines"]["layer_floor"]["median_ms"] == pytest.approx(1.5)
 
@@ -184,3 +204,245 @@ def test_plot_labels_do_not_overlap():
         assert "dispatch (standard)" in labels and "dispatch (expanded)" in labels
     finally:
         plt.close(figure)
+
+
+# issue 24 -------------------------------------------------------------------------------------
+def _terminal(width: int = 80) -> Console:
+    """An interactive terminal of ``width`` columns (prose wraps there, as a user sees it)."""
+    return Console(width=width, record=True, force_terminal=True, color_system=None)
+
+
+def _hf_report(world: int = 2, mismatch_rank: int | None = None) -> dict:
+    from ep_runtime.launch.hf_report import build_hf_report
+    from ep_runtime.launch.hf_run import HFWorkload
+    from ep_runtime.launch.presets import ModelPreset, RouterSpec
+    from ep_runtime.launch.spec import RunSpec
+
+    model = ModelPreset("qwen3-moe", 64, 12, 3, 32, "silu", RouterSpec(), 11)
+    workload = HFWorkload("qwen3-moe", model, (8, 11), (12, 14))
+    router = {"top_k": 3, "scoring": "softmax", "renormalize": True, "num_expert_groups": None,
+              "num_topk_groups": None, "routed_scaling_factor": 1.0,
+              "uses_correction_bias": False, "weights_in_logits_dtype": True}  # fmt: skip
+    summaries, validations = [], []
+    for rank in range(world):
+        summaries.append(
+            {
+                "rank": rank, "host": "ip-10-213-0-12.cluster.internal", "pid": 1, "device": "cpu",
+                "dtype": "float32", "architecture": "Qwen3MoeSparseMoeBlock", "moe_blocks": 2,
+                "router": router, "choice": CHOICE.format(layout="expanded"),
+                "prompt": list(range(8 + 3 * rank)), "max_new_tokens": 12 + 2 * rank,
+                "tokens": list(range(12 + 2 * rank)), "logits": None, "steps": 14,
+                "idle_steps": 2 - rank, "prefill_s": 0.0654, "active_s": 0.6, "total_s": 0.635,
+                "moe_s": 0.468, "tokens_per_s": 21.3, "decode_tokens_per_s": 25.0,
+                "local_experts": [6 * rank, 6 * rank + 6], "num_experts": 12,
+                "expert_params_kept": 73_728, "expert_params_freed": 147_456,
+                "held_expert_bytes": 294_912, "params_before_patch": 1, "params_after_patch": 1,
+                "peak_memory_bytes": 487_000_000,
+            }
+        )  # fmt: skip
+        differs = rank == mismatch_rank
+        validations.append(
+            {
+                "passed": not differs,
+                "tokens_match": not differs,
+                "first_mismatch": 12 if differs else None,
+                "max_rel_err": 4.8e-7,
+                "tolerance": 4.29e-6,
+                "verdict": "",
+                "experts_reference": None,
+            }
+        )
+    spec = RunSpec(world, "cpu", workload)
+    return build_hf_report(spec, "ray", summaries, 1.0, validations)
+
+
+@pytest.mark.parametrize("mismatch_rank", [None, 1])
+def test_hf_generation_tables_fit_80_columns_and_keep_every_value(mismatch_rank):
+    """Issue 24 item 1: every line of the HF report within 80 columns, nothing cut."""
+    from ep_runtime.launch.hf_report import print_hf_report
+
+    console = _terminal(80)
+    print_hf_report(_hf_report(mismatch_rank=mismatch_rank), console)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "…" not in text and "┃" not in text  # nothing cut; light borders, as the layer's
+    generation = _table_rows(text, "Generation: each rank its own request")
+    assert [row[:8] for row in generation] == [
+        ["0", "8", "12", "2", "21.3", "65.4", "0.468", "0.167"],
+        ["1", "11", "14", "1", "21.3", "65.4", "0.468", "0.167"],
+    ]
+    held = _table_rows(text, "Experts, memory and validation")
+    statuses = [" ".join(row[row.index("4.3e-06") + 1 :]) for row in held if "4.3e-06" in row]
+    assert statuses == ["same", "same" if mismatch_rank is None else "differ @12"]
+
+
+def test_hf_legend_explains_every_column():
+    from ep_runtime.launch.hf_report import CONVENTIONS, print_hf_report
+
+    console = _terminal(120)
+    print_hf_report(_hf_report(), console)
+    text = console.export_text()
+    legend = " ".join(CONVENTIONS)
+    headers = ["prompt", "gen", "idle", "tok/s", "prefill ms", "MoE s", "rest s", "experts",
+               "params", "peak MB", "rel err", "tokens"]  # fmt: skip
+    for header in headers:
+        assert f"{header} =" in legend, header
+        assert header in text
+
+
+def test_router_settings_print_in_words():
+    from ep_runtime.launch.hf_report import describe_router, print_hf_report
+
+    console = _terminal(80)
+    print_hf_report(_hf_report(), console)
+    text = console.export_text()
+    assert "{" not in text and "'top_k'" not in text
+    assert "router: softmax, top-3, renormalised, weights rounded to the logits' dtype" in (
+        " ".join(text.split())
+    )
+    deepseek = {"top_k": 8, "scoring": "sigmoid", "renormalize": True, "num_expert_groups": 8,
+                "num_topk_groups": 4, "routed_scaling_factor": 2.5,
+                "uses_correction_bias": True}  # fmt: skip
+    assert describe_router(deepseek) == (
+        "sigmoid, top-8, top-4 of 8 groups, correction bias, renormalised, scaled by 2.5"
+    )
+
+
+def test_backends_not_chosen_are_listed_once_under_a_heading():
+    """Item 9: the passed-over / refused lines once for both layouts (their reasons agree)."""
+    text = _render(_report(layouts=("standard", "expanded")), 80)
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines.count("Backends not chosen:") == 1
+    heading = lines.index("Backends not chosen:")
+    assert lines[heading + 1 : heading + 3] == [
+        "passed over experts:reference: runs here too; grouped_mm ranks higher",
+        "refused dispatcher:deepep_v2: runs on ['cuda'], not cpu",
+    ]
+    assert text.count("refused dispatcher:deepep_v2") == 1
+
+
+def test_layer_graph_is_explained_only_where_shown():
+    plain = _render(_report(), 120)
+    assert "layer_graph" not in plain
+    report = _report()
+    report["cases"][0]["phases"]["layer_graph"] = report["cases"][0]["phases"]["layer"]
+    assert "layer_graph = the layer replayed as a captured CUDA graph" in _render(report, 120)
+
+
+def test_rates_carry_one_precision():
+    """Item 9: every rate three significant digits with an SI prefix (5.08 MB/s, not 0.00508)."""
+    rows = _table_rows(_render(_report(), 80), "Phases, torch_a2a / grouped_mm")
+    rates = [" ".join(row[3:5]) for row in rows if row[0] in ("dispatch", "experts", "combine")]
+    # a mean 128 kB received per rank in 1 ms and again in 3 ms; 1 MFLOP per rank in 2 ms
+    assert rates == ["128 MB/s", "500 MFLOP/s", "42.7 MB/s"]
+    from ep_runtime.bench.report import si_rate
+
+    assert [si_rate(v, "B/s") for v in (5.08e6, 1.4e7, 3.35e9, 999.7e6, 0.0)] == [
+        "5.08 MB/s", "14.0 MB/s", "3.35 GB/s", "1.00 GB/s", "0.00 B/s"
+    ]  # fmt: skip
+
+
+def test_one_definition_of_the_validation_error():
+    """Item 7: the legend, docs/launch.md and docs/architecture.md state the formula
+    ep_runtime/tolerance.py computes (error over the size of the summed terms)."""
+    from ep_runtime.bench.report import RELATIVE_ERROR
+
+    assert RELATIVE_ERROR in " ".join(_render(_report(), 200).split())
+    for doc in ("docs/launch.md", "docs/architecture.md"):
+        text = " ".join((REPO / doc).read_text().split())
+        assert RELATIVE_ERROR in text, doc
+        assert "‖out_t − ref_t‖ / ‖ref_t‖" not in text, doc
+
+
+@pytest.mark.parametrize(
+    ("gemm_s", "read_s", "expected"),
+    [(0.0005, 0.002, "weights_read"), (0.003, 0.002, "dense_gemm")],
+)
+def test_experts_baseline_is_the_roofline(gemm_s, read_s, expected):
+    """Item 11: the larger of the compute floor and the memory floor, in the table and in
+    layer_floor."""
+    baselines = {"a2a_dispatch": 0.0005, "a2a_combine": 0.0005, "dense_gemm": gemm_s,
+                 "weights_read": read_s}  # fmt: skip
+    report = _report(baselines=baselines)
+    assert report["experts_baseline"] == expected
+    floor = baselines[expected]
+    assert report["baselines"]["layer_floor"]["median_ms"] == pytest.approx((0.001 + floor) * 1e3)
+    experts_s = report["cases"][0]["phases"]["experts"]["median_ms"] / 1e3
+    ratio = report["cases"][0]["vs_baseline"][f"experts_vs_{expected}"]
+    assert ratio == pytest.approx(floor / experts_s)
+    row = next(r for r in _table_rows(_render(report, 80), "Phases") if r[0] == "experts")
+    assert row[5:8] == [expected, f"{floor * 1e3:.3f}", f"{floor / experts_s:.2f}"]
+
+
+def test_plot_names_the_run_and_explains_its_colours(tmp_path):
+    """Item 10: title with mode, device and dtype; a colour per layout (and a legend for them);
+    a legend for the rank colours; the value on every phase bar."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ep_runtime.bench.report import plot_figure
+
+    report = _report(world=4, layouts=("standard", "expanded"))
+    figure = plot_figure(report)
+    try:
+        title = figure._suptitle.get_text()
+        assert "exact mode" in title and "cpu" in title and "float32" in title and "W=4" in title
+        ax_time, ax_load = figure.axes
+        colours = {}
+        for bar, label in zip(ax_time.patches, ax_time.get_yticklabels(), strict=True):
+            colours.setdefault(label.get_text().split("(")[-1].rstrip(")"), set()).add(
+                bar.get_facecolor()
+            )
+        assert len(colours["standard"]) == len(colours["expanded"]) == 1
+        assert colours["standard"] != colours["expanded"]
+        assert [t.get_text() for t in ax_time.get_legend().get_texts()] == [
+            "standard", "expanded", "same-run baseline"
+        ]  # fmt: skip
+        assert [t.get_text() for t in ax_load.get_legend().get_texts()] == [
+            f"rank {r}" for r in range(4)
+        ]
+        values = [t.get_text() for t in ax_time.texts]
+        assert len(values) == len(ax_time.patches) and values[0] == "1"  # dispatch: 1 ms
+        assert [t.get_text() for t in ax_load.texts] == [
+            str(c) for c in report["load"]["global_expert_counts"]
+        ]
+    finally:
+        plt.close(figure)
+
+
+def test_a_decode_shaped_cpu_run_takes_the_weights_memory_floor_as_experts_baseline():
+    """Item 11, measured: 2 tokens per rank over 8 experts of 12.6 MB (fp32) read the weights of
+    up to 4 experts, while the same-FLOPs dense GEMMs read one expert's worth: the memory floor
+    is the larger, so it is the experts' baseline (and layer_floor's part)."""
+    import torch
+    import torch.distributed as dist
+
+    from ep_runtime.launch.layer_run import LayerWorkload
+    from ep_runtime.launch.presets import PRESETS
+    from ep_runtime.launch.rank import RankWorker, plan
+    from ep_runtime.launch.spec import RunSpec
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    model = PRESETS["tiny"].with_overrides(
+        hidden_size=1024, intermediate_size=1024, num_experts=8, top_k=2, tokens_per_rank=2
+    )
+    workload = LayerWorkload(model=model, dtype="fp32", iters=5, warmup=2, layouts=("expanded",))
+    spec = RunSpec(world_size=1, device="cpu", workload=workload)
+    threads = torch.get_num_threads()
+    worker = RankWorker(spec, 0)
+    worker.init_process_group(store=dist.HashStore())
+    try:
+        summary = {}
+        for step in plan(spec):
+            summary = worker.step(step.method, step.args)
+    finally:
+        worker.shutdown()
+        torch.set_num_threads(threads)
+    report = build_report(spec.to_json(), "spawn", [summary], 1.0)
+    baselines = report["baselines"]
+    assert baselines["weights_read"]["median_ms"] > baselines["dense_gemm"]["median_ms"]
+    assert report["experts_baseline"] == "weights_read"
+    parts = baselines["layer_floor"]["parts"]
+    assert parts == ("a2a_dispatch", "weights_read", "a2a_combine")
+    assert "experts_vs_weights_read" in report["cases"][0]["vs_baseline"]

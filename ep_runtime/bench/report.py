@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rich import box
@@ -11,26 +12,38 @@ from rich.table import Table
 
 from ep_runtime.bench.metrics import imbalance
 
+# the validation error, as ep_runtime/tolerance.py computes it; docs/launch.md and
+# docs/architecture.md state the same formula (tests/test_launch_report.py checks they do)
+RELATIVE_ERROR = "‖out_t − ref_t‖ / Σ_k |w_k|·‖FFN_k(x_t)‖"
 # printed under the tables and stored in the JSON report ("conventions")
 CONVENTIONS = (
     "phase time = per-iteration max over ranks after a barrier (and device sync); median and min "
     "over the timed iterations, in ms",
-    "bandwidth (GB/s) = bytes received per rank, own tokens included (DeepEP's definition), "
-    "hidden payload of valid rows only, averaged over ranks, over the phase time",
-    "expert TFLOP/s counts valid (token, expert) pairs only, averaged over ranks",
+    "bandwidth = bytes received per rank, own tokens included (DeepEP's definition), hidden "
+    "payload of valid rows only, averaged over ranks, over the phase time",
+    "expert FLOP/s counts valid (token, expert) pairs only, averaged over ranks",
     "baselines from the same run: a2a_dispatch / a2a_combine = one all_to_all_single of the same "
-    "rows (the communication floor), dense_gemm = two dense GEMMs of the same FLOPs (the compute "
-    "ceiling); base/phase = baseline time / phase time",
-    "layer_floor = a2a_dispatch + dense_gemm + a2a_combine: the layer's time if each phase ran at "
-    "its baseline's speed, one after the other (no routing, packing or metadata, no overlap); a "
-    "reference point, not a bound; for the layer, base/phase = layer_floor / layer time",
-    "layer_graph = the layer replayed as a captured CUDA graph (capacity mode on CUDA)",
+    "rows (the communication floor); the experts' baseline is their roofline, the larger of "
+    "dense_gemm = two dense GEMMs of the same FLOPs (the compute floor) and weights_read = the "
+    "bytes of the expert weights the phase reads (its experts with tokens) at the rate of a "
+    "same-run memory copy (the memory floor: decode is bound by it); base/phase = baseline time "
+    "/ phase time",
+    "layer_floor = a2a_dispatch + experts' baseline + a2a_combine: the layer's time if each phase "
+    "ran at its baseline's speed, one after the other (no routing, packing or metadata, no "
+    "overlap); a reference point, not a bound; for the layer, base/phase = layer_floor / layer "
+    "time",
     "max/mean = a rank's busiest expert over its mean expert load, in (token, expert) pairs",
-    "rel err = max over the validated tokens of |out - ref| / sum_k |w_k| |FFN_k(x)| against "
-    "reference_moe (fp64; the size of the summed terms, so cancelling terms are judged fairly); "
-    "ok = within the tolerance and the phase-timed forward's output equals the layer's bitwise",
+    "recv rows / recv MB = the rows a rank receives in a dispatch (their hidden payload); pairs "
+    "= its valid (token, expert) pairs; weights MB = its expert shard; peak MB = its peak memory "
+    "before the baselines ran (CUDA: allocated; CPU: resident set)",
+    f"rel err = max over the validated tokens of {RELATIVE_ERROR} against reference_moe (fp64; "
+    "the size of the summed terms, so cancelling terms are judged fairly); ok = within the "
+    "tolerance and the phase-timed forward's output equals the layer's bitwise",
 )
-LAYER_FLOOR_PARTS = ("a2a_dispatch", "dense_gemm", "a2a_combine")
+GRAPH_CONVENTION = (
+    "layer_graph = the layer replayed as a captured CUDA graph (capacity mode on CUDA)"
+)
+EXPERTS_FLOORS = ("dense_gemm", "weights_read")  # the experts' roofline: the larger of the two
 LAYER_FLOOR = "layer_floor"
 
 
@@ -59,9 +72,12 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     flops = [r["expert_flops"] for r in ranks]
     baselines = {name: _ms(stats) for name, stats in first["baselines"].items()}
     baseline_s = {name: stats["median_s"] for name, stats in first["baselines"].items()}
-    if all(name in baseline_s for name in LAYER_FLOOR_PARTS):
-        baseline_s[LAYER_FLOOR] = sum(baseline_s[name] for name in LAYER_FLOOR_PARTS)
-        baselines[LAYER_FLOOR] = {"median_ms": baseline_s[LAYER_FLOOR] * 1e3}
+    floors = [name for name in EXPERTS_FLOORS if name in baseline_s]
+    experts_floor = max(floors, key=baseline_s.__getitem__) if floors else None
+    if experts_floor and all(name in baseline_s for name in ("a2a_dispatch", "a2a_combine")):
+        parts = ("a2a_dispatch", experts_floor, "a2a_combine")
+        baseline_s[LAYER_FLOOR] = sum(baseline_s[name] for name in parts)
+        baselines[LAYER_FLOOR] = {"median_ms": baseline_s[LAYER_FLOOR] * 1e3, "parts": parts}
     cases = []
     for index, case in enumerate(first["cases"]):
         phases = case["phases"]
@@ -76,7 +92,7 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
         for phase, baseline in (
             ("dispatch", "a2a_dispatch"),
             ("combine", "a2a_combine"),
-            ("experts", "dense_gemm"),
+            ("experts", experts_floor),
             ("layer", LAYER_FLOOR),
             ("layer_graph", LAYER_FLOOR),
         ):
@@ -162,6 +178,7 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
         "phases": cases[0]["phases"],
         "cases": cases,
         "baselines": baselines,
+        "experts_baseline": experts_floor,
         "load": {
             "global_expert_counts": first["global_expert_counts"],
             "rank_valid_pairs": rank_loads,
@@ -203,6 +220,7 @@ def print_report(report: dict, console: Console) -> None:
         f"max abs err {report['max_abs_err']:.2e}"
     )
     baselines = report["baselines"]
+    experts_floor = report["experts_baseline"]
     for index, case in enumerate(report["cases"]):
         backends = f"{case['dispatcher']} / {case['experts']}, layout {case['layout']}"
         phases = _table(
@@ -212,15 +230,15 @@ def print_report(report: dict, console: Console) -> None:
         )  # fmt: skip
         rates = case["rates"]
         rows = (
-            ("dispatch", f"{rates['dispatch_GBps']:.3g} GB/s", "a2a_dispatch"),
-            ("experts", f"{rates['experts_TFLOPs']:.3g} TFLOP/s", "dense_gemm"),
-            ("combine", f"{rates['combine_GBps']:.3g} GB/s", "a2a_combine"),
+            ("dispatch", si_rate(rates["dispatch_GBps"] * 1e9, "B/s"), "a2a_dispatch"),
+            ("experts", si_rate(rates["experts_TFLOPs"] * 1e12, "FLOP/s"), experts_floor),
+            ("combine", si_rate(rates["combine_GBps"] * 1e9, "B/s"), "a2a_combine"),
             ("layer", "", LAYER_FLOOR),
             *((("layer_graph", "", LAYER_FLOOR),) if "layer_graph" in case["phases"] else ()),
         )
         for phase, rate, baseline in rows:
             stats = case["phases"][phase]
-            base = baselines.get(baseline)
+            base = baselines.get(baseline) if baseline else None
             ratio = case["vs_baseline"].get(f"{phase}_vs_{baseline}")
             phases.add_row(
                 phase,
@@ -232,8 +250,6 @@ def print_report(report: dict, console: Console) -> None:
                 f"{ratio:.2f}" if ratio is not None else "",
             )
         console.print(phases)
-        for line in case["choice"].splitlines()[1:]:  # why "auto" passed over the others
-            console.print(f"[dim]{line.strip()}[/]", highlight=False)
         validation = _table(
             f"Validation, {backends}",
             {"rank": "right", "host": "left", "tokens": "right", "max abs err": "right",
@@ -274,10 +290,40 @@ def print_report(report: dict, console: Console) -> None:
     console.print(
         f"load: rank imbalance (max/mean valid pairs over ranks) {load['rank_imbalance']:.2f}"
     )
-    for line in CONVENTIONS:
+    _print_passed_over(report["cases"], console)
+    graphs = any("layer_graph" in case["phases"] for case in report["cases"])
+    for line in (*CONVENTIONS, *((GRAPH_CONVENTION,) if graphs else ())):
         console.print(f"[dim]{line}[/]", highlight=False)
     for note in report["notes"]:
         console.print(f"note: {note}")
+
+
+def _print_passed_over(cases: list[dict], console: Console) -> None:
+    """Why "auto" passed over or refused the other backends: once, under a heading (per layout
+    only where the layouts' reasons differ)."""
+    reasons = {case["layout"]: case["choice"].splitlines()[1:] for case in cases}
+    groups = (
+        {"": next(iter(reasons.values()))}
+        if len({tuple(lines) for lines in reasons.values()}) == 1
+        else {f", layout {layout}": lines for layout, lines in reasons.items()}
+    )
+    for suffix, lines in groups.items():
+        if lines:
+            console.print(f"Backends not chosen{suffix}:", highlight=False)
+        for line in lines:
+            console.print(f"[dim]  {line.strip()}[/]", highlight=False)
+
+
+def si_rate(value: float, unit: str) -> str:
+    """Three significant digits and an SI prefix: ``5.08e6, "B/s"`` -> ``"5.08 MB/s"``."""
+    rounded = float(f"{value:.3g}")
+    prefix, scale = next(
+        ((p, f) for p, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if rounded >= f),
+        ("", 1.0),
+    )
+    scaled = rounded / scale
+    digits = max(0, 2 - math.floor(math.log10(scaled))) if scaled > 0 else 2
+    return f"{scaled:.{digits}f} {prefix}{unit}"
 
 
 def write_json(report: dict, path: str | Path) -> None:
@@ -293,46 +339,83 @@ def write_plot(report: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+LAYOUT_COLOURS = {"standard": "tab:blue", "expanded": "tab:orange"}
+BASELINE_COLOUR = "tab:gray"
+MAX_LABELLED_EXPERTS = 32  # per-expert counts written on the bars up to this many experts
+BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.12)}  # a legend under its axes
+
+
 def plot_figure(report: dict):  # -> matplotlib.figure.Figure (matplotlib is optional)
-    """Phase medians per layout next to the baselines, and tokens per expert by rank."""
+    """Phase medians per layout (a colour per layout) next to the baselines, and tokens per
+    expert coloured by owning rank; values on the bars; the title names the run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     labels, values, colors = [], [], []
     for case in report["cases"]:
         for phase in ("dispatch", "experts", "combine", "layer"):
             labels.append(f"{phase} ({case['layout']})")
             values.append(case["phases"][phase]["median_ms"])
-            colors.append("tab:blue")
+            colors.append(LAYOUT_COLOURS.get(case["layout"], "tab:green"))
     for name, stats in report["baselines"].items():
         labels.append(f"{name} (baseline)")
         values.append(stats["median_ms"])
-        colors.append("tab:gray")
+        colors.append(BASELINE_COLOUR)
     # horizontal bars: one label per line, so labels cannot run into each other
     fig, (ax_time, ax_load) = plt.subplots(
-        1, 2, figsize=(12, max(4.5, 0.3 * len(values) + 1.5)), width_ratios=(1, 1.3)
+        1, 2, figsize=(13, max(4.5, 0.3 * len(values) + 2)), width_ratios=(1, 1.3)
     )
-    ax_time.barh(range(len(values)), values, color=colors)
+    model = report["model"]
+    fig.suptitle(
+        f"{model['name']} (E={model['num_experts']} K={model['top_k']} H={model['hidden_size']} "
+        f"I={model['intermediate_size']}), W={report['world_size']}, {report['mode']} mode, "
+        f"{report['device']}, {report['dtype']}, T/rank={report['tokens_per_rank']}",
+        fontsize=11,
+    )
+    bars = ax_time.barh(range(len(values)), values, color=colors)
+    ax_time.bar_label(bars, fmt="%.3g", fontsize=7, padding=2)
+    ax_time.set_xlim(0, max(values, default=1.0) * 1.2)  # room for the values
     ax_time.set_yticks(range(len(values)), labels, fontsize=8)
     ax_time.invert_yaxis()  # first phase on top
     ax_time.set_xlabel("ms (median of per-iteration max over ranks)")
-    ax_time.set_title(
-        f"{report['model']['name']} W={report['world_size']} "
-        f"{report['dispatcher']}/{report['experts']}"
+    ax_time.set_title(f"phases: {report['dispatcher']} / {report['experts']}", fontsize=10)
+    layouts = dict.fromkeys(case["layout"] for case in report["cases"])
+    ax_time.legend(
+        handles=[
+            *(Patch(color=LAYOUT_COLOURS.get(lay, "tab:green"), label=lay) for lay in layouts),
+            Patch(color=BASELINE_COLOUR, label="same-run baseline"),
+        ],
+        fontsize=8,
+        ncol=len(layouts) + 1,
+        **BELOW,
     )
     counts = report["load"]["global_expert_counts"]
     world = report["world_size"]
     per_rank = len(counts) // world
     palette = plt.get_cmap("tab10")
-    ax_load.bar(
+    bars = ax_load.bar(
         range(len(counts)),
         counts,
         color=[palette((e // per_rank) % 10) for e in range(len(counts))],
     )
-    ax_load.set_xlabel("expert (colour = owning rank)")
+    if len(counts) <= MAX_LABELLED_EXPERTS:
+        ax_load.bar_label(bars, fontsize=7, padding=1)
+    ax_load.set_ylim(0, max(counts, default=1) * 1.15)
+    ax_load.set_xlabel("expert")
     ax_load.set_ylabel("(token, expert) pairs")
-    ax_load.set_title(f"load: rank max/mean = {report['load']['rank_imbalance']:.2f}")
+    ax_load.set_title(
+        f"load per expert, colour = owning rank; rank max/mean = "
+        f"{report['load']['rank_imbalance']:.2f}",
+        fontsize=10,
+    )
+    ax_load.legend(
+        handles=[Patch(color=palette(r % 10), label=f"rank {r}") for r in range(world)],
+        fontsize=8,
+        ncol=min(world, 8),
+        **BELOW,
+    )
     fig.tight_layout()
     return fig

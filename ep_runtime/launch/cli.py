@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -41,6 +43,36 @@ CONFIG_OPTIONS = {  # MoEConfig field -> the option that sets it
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors read like the launcher's own checks: one line naming the
+    option, what was expected and what was given (exit 2), not a usage block."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise argparse.ArgumentError(action, f"expected one of {choices}, given {value!r}")
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        convert = self._registry_get("type", action.type, action.type)
+        try:
+            return convert(arg_string)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+            kind = {int: "an integer", float: "a number"}.get(action.type)
+            option = "/".join(action.option_strings)
+            # a parser of our own (FailureInjection.parse) says what it expected, naming the option
+            message = f"expected {kind}" if kind else str(error).removeprefix(f"{option}: ")
+            if kind or "given" not in message:
+                message += f", given {arg_string!r}"
+            raise argparse.ArgumentError(action, message) from None
+
+    def error(self, message: str) -> NoReturn:
+        text = message.removeprefix("argument ")  # "argument --layout: ..." -> "--layout: ..."
+        if text.startswith("unrecognized arguments"):
+            text += f" (see {self.prog} --help)"
+        print_line(Console(), f"error: {text}")
+        self.exit(EXIT_USAGE)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each default, except where there is none (a preset's value, an unset file)."""
 
@@ -51,18 +83,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m ep_runtime.launch",
         description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=HelpFormatter,
     )
     run = parser.add_argument_group("ranks")
-    run.add_argument("--dp", type=int, default=2, help="number of EP ranks (ignored by torchrun)")
+    run.add_argument(
+        "--dp",
+        type=int,
+        default=2,
+        help="number of EP ranks (E must be divisible by it); torchrun / SLURM: the world size "
+        "comes from the environment",
+    )
     run.add_argument(
         "--launcher",
         choices=LAUNCHERS,
         default="auto",
-        help="auto: torchrun if RANK/WORLD_SIZE are set, else ray if installed, else spawn",
+        help="ray; spawn (torch.multiprocessing, one node, no Ray); torchrun (env:// rendezvous, "
+        "also SLURM); auto: torchrun if RANK/WORLD_SIZE are set, else ray if installed, else spawn",
     )
     run.add_argument(
         "--address",
@@ -76,10 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="cpu: gloo ranks; cuda: NCCL, one GPU per rank; auto: cuda if there is a GPU per rank",
     )
-    run.add_argument("--timeout", type=float, default=60.0, help="seconds, every collective")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds (> 0), every collective: a desync fails instead of hanging",
+    )
     layer = parser.add_argument_group("layer")
-    layer.add_argument("--dispatcher", default="auto", help="dispatcher backend name")
-    layer.add_argument("--experts", default="auto", help="experts backend name")
+    layer.add_argument(
+        "--dispatcher",
+        default="auto",
+        help="dispatcher backend name from the registry; what auto picked, and why "
+        "the others were refused, is printed and in --json (cases[].choice)",
+    )
+    layer.add_argument("--experts", default="auto", help="experts backend name, as --dispatcher")
     layer.add_argument(
         "--layout",
         choices=("auto", "standard", "expanded", "both"),
@@ -106,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group(
         "model (a preset, then overrides)", "each override defaults to the preset's value"
     )
-    model.add_argument("--model", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    model.add_argument(
+        "--model",
+        default="tiny",
+        help=f"one of {', '.join(PRESETS)} (tiny: E=16, K=4, H=128, I=256)",
+    )
     model.add_argument("--tokens", type=int, help="tokens per rank")
     model.add_argument("--hidden", type=int, help="hidden size H")
     model.add_argument("--intermediate", type=int, help="expert intermediate size I")
@@ -128,14 +181,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--validate-tokens", type=int, default=64,
                        help="tokens per rank checked against reference_moe (0 = all)")  # fmt: skip
-    bench.add_argument("--no-baselines", action="store_true", help="skip the a2a / GEMM baselines")
+    bench.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip the same-run all-to-all, dense-GEMM and memory baselines",
+    )
     bench.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    bench.add_argument("--plot", metavar="FILE", help="write a PNG plot (needs matplotlib)")
+    bench.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write a PNG of phase times and per-expert load (needs matplotlib)",
+    )
     bench.add_argument(
         "--inject-failure",
         metavar=f"RANK:{'|'.join(FAILURE_KINDS)}[:ITER]",
         type=FailureInjection.parse,
-        help="testing the supervision: make one rank fail at a timed iteration",
+        help="testing the supervision: rank RANK fails at timed iteration ITER: raise (an "
+        "exception), input (an EPInputError, as a backend rejecting its input), exit, kill, hang",
     )
     layer_eplb.add_arguments(parser)
     hf_run.add_arguments(parser)
@@ -243,6 +305,28 @@ def _launch(
     return spec, summaries, rank == 0
 
 
+def check_memory(spec: RunSpec, launcher: str, address: str | None) -> None:
+    """The layer's ranks that run on this machine must fit in its memory (``launch/memory.py``):
+    every rank of spawn and of a private Ray cluster, this node's under torchrun; a cluster
+    elsewhere is not checked from here."""
+    import torch
+
+    from ep_runtime.launch.memory import check_fits
+    from ep_runtime.launch.spec import torch_dtype
+
+    if launcher == "ray" and (address not in (None, "local") or os.environ.get("RAY_ADDRESS")):
+        return
+    here = spec.world_size
+    if launcher == "torchrun":
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", here))
+    device = spec.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.device_count() >= here else "cpu"
+    run = spec.workload
+    dtype = torch_dtype(run.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+    check_fits(run.model, spec.world_size, dtype, run.mode, device, here, run.redundant_experts)
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """``--json`` / ``--plot`` must be writable (and matplotlib importable) before a rank
     starts, not found out after the run."""
@@ -288,8 +372,8 @@ def print_line(console: Console, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
-    if not console.is_terminal:  # logs, ray job output: room for the tables
-        console = Console(width=max(console.width, 120))
+    if not console.is_terminal:  # logs, ray job output: room for the tables, prose unwrapped
+        console = Console(width=max(console.width, 100), soft_wrap=True)
     launcher = choose_launcher(args.launcher)
     try:
         if launcher == "ray" and importlib.util.find_spec("ray") is None:
@@ -305,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             world_size, reports_here = place.world_size, place.rank == 0
         layer_eplb.refuse_with_hf_model(args)
         spec = (hf_run.build_spec if args.hf_model else build_spec)(args, world_size)
+        if not args.hf_model:
+            check_memory(spec, launcher, args.address)
         if reports_here:
             check_outputs(args)
     except (ValueError, RuntimeError) as error:

@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from ep_runtime.bench.report import _table
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
+# printed under the tables, one line per column group, and stored in the JSON report
 CONVENTIONS = (
-    "tok/s = generated tokens / time from the first step to this rank's last token",
+    "prompt = prompt tokens (rank r: --hf-prompt-tokens + 3r); gen = tokens generated (at most "
+    "--hf-new-tokens + 2r); idle = lockstep steps the rank ran every MoE block on zero tokens of "
+    "its own (no request, or finished), serving its experts to the others",
+    "tok/s = generated tokens / time from the first step to this rank's last token; prefill ms = "
+    "this rank's first forward (its whole prompt)",
     "MoE s = time inside the EP blocks (router, dispatch, experts, combine, shared experts), "
-    "waiting for other ranks and zero-token steps included; rest = everything else in the loop",
-    "validation: the unpatched model, transformers' greedy generate, in the reporting process",
+    "waiting for other ranks and zero-token steps included; rest s = everything else in the "
+    "loop (attention, norms, the LM head, the token choice)",
+    "experts = the routed experts the rank holds (global ids); params = their parameters; peak MB "
+    "= the rank's peak memory (CUDA: allocated; CPU: resident set)",
+    "validation: the unpatched model, transformers' greedy generate, in the reporting process; "
+    "rel err = max over steps of |ours - ref| / |ref| of the logits (tolerance from "
+    "ep_runtime/tolerance.py); tokens = same: every token equal, differ @i: from step i on",
 )
 
 
@@ -102,9 +112,9 @@ def validate(spec: RunSpec, summaries: list[dict]) -> list[dict]:
         )
         compared = min(len(ours), len(tokens)) if mismatch is None else mismatch + 1
         compared = min(compared, len(ours), len(tokens))
-        comparison = compare_per_token(
-            torch.from_numpy(summary["logits"][:compared]), logits[:compared], tolerance
-        )
+        # a copy: arrays from Ray's object store are read-only (torch warns on sharing them)
+        ours_logits = torch.tensor(summary["logits"][:compared])
+        comparison = compare_per_token(ours_logits, logits[:compared], tolerance)
         results.append(
             {
                 "passed": mismatch is None and comparison.passed,
@@ -159,7 +169,24 @@ def build_hf_report(
     }
 
 
+def describe_router(router: dict) -> str:
+    """``route()``'s settings in words: 'softmax, top-3, renormalised, ...'."""
+    parts = [router["scoring"], f"top-{router['top_k']}"]
+    if router.get("num_expert_groups"):
+        parts.append(f"top-{router['num_topk_groups']} of {router['num_expert_groups']} groups")
+    if router.get("uses_correction_bias"):
+        parts.append("correction bias")
+    parts.append("renormalised" if router["renormalize"] else "not renormalised")
+    if router.get("routed_scaling_factor", 1.0) != 1.0:
+        parts.append(f"scaled by {router['routed_scaling_factor']:g}")
+    if router.get("weights_in_logits_dtype"):
+        parts.append("weights rounded to the logits' dtype")
+    return ", ".join(parts)
+
+
 def print_hf_report(report: dict, console: Console) -> None:
+    """Summary line; a generation table and an experts-and-validation table (both fit 80
+    columns); a legend line per group of columns."""
     model = report["model"]
     verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
     console.print(
@@ -170,21 +197,27 @@ def print_hf_report(report: dict, console: Console) -> None:
         f"steps  max logits rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e})",
         highlight=False,
     )
-    console.print(f"[dim]{report['choice'].splitlines()[0]}; router {report['router']}[/]")
+    console.print(
+        f"[dim]backends: {report['choice'].splitlines()[0]}; "
+        f"router: {describe_router(report['router'])}[/]",
+        highlight=False,
+    )
     if report["experts_reference"]:
         line = f"validation reference: {report['experts_reference']}"
         console.print(line, style="dim", markup=False, highlight=False)
-    table = Table(title="Ranks: greedy generation, each rank its own request")
-    columns = (
-        "rank", "prompt", "gen", "idle", "tok/s", "prefill ms", "MoE s", "rest s", "experts",
-        "params", "peak MB", "rel err", "tokens",
+    generation = _table(
+        "Generation: each rank its own request, in lockstep",
+        {"rank": "right", "prompt": "right", "gen": "right", "idle": "right", "tok/s": "right",
+         "prefill ms": "right", "MoE s": "right", "rest s": "right"},
     )  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="right", no_wrap=True)
+    held = _table(
+        "Experts, memory and validation against transformers",
+        {"rank": "right", "host": "left", "experts": "right", "params": "right",
+         "peak MB": "right", "rel err": "right", "tolerance": "right", "tokens": "left"},
+    )  # fmt: skip
     for r in report["per_rank"]:
         v = r["validation"]
-        status = "[green]same[/]" if v["tokens_match"] else f"[red]differ @{v['first_mismatch']}[/]"
-        table.add_row(
+        generation.add_row(
             str(r["rank"]),
             str(len(r["prompt"])),
             str(r["generated"]),
@@ -193,22 +226,27 @@ def print_hf_report(report: dict, console: Console) -> None:
             f"{r['prefill_s'] * 1e3:.1f}",
             f"{r['moe_s']:.3f}",
             f"{r['rest_s']:.3f}",
+        )
+        status = "[green]same[/]" if v["tokens_match"] else f"[red]differ @{v['first_mismatch']}[/]"
+        held.add_row(
+            str(r["rank"]),
+            r["host"],
             f"{r['local_experts'][0]}-{r['local_experts'][1] - 1}",
             _count(r["expert_params_kept"]),
             f"{r['peak_memory_bytes'] / 1e6:.0f}",
             f"{v['max_rel_err']:.1e}",
+            f"{v['tolerance']:.1e}",
             status,
         )
-    console.print(table)
+    console.print(generation)
+    console.print(held)
     for r in report["per_rank"]:
         if r.get("load"):  # --hf-model DIR: what each rank read of the checkpoint
             console.print(f"[dim]{r['load']}[/]", highlight=False)
-    console.print(
-        f"params = routed-expert parameters the rank keeps, of "
-        f"{_count(report['per_rank'][0]['expert_params_freed'])} in the model; "
-        + "; ".join(report["conventions"]),
-        highlight=False,
-    )
+    total = _count(report["per_rank"][0]["expert_params_freed"])
+    console.print(f"[dim]the model has {total} routed-expert parameters in all[/]")
+    for line in report["conventions"]:
+        console.print(f"[dim]{line}[/]", highlight=False)
 
 
 def _count(number: int) -> str:

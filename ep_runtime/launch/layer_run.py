@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from ep_runtime import EPMoE
-from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm
+from ep_runtime.bench.baselines import time_all_to_all, time_dense_gemm, time_weights_read
 from ep_runtime.bench.metrics import (
     Traffic,
     expert_flops_per_pair,
@@ -146,6 +146,7 @@ class LayerRankWorker:
         self.case = -1
         self.cases: list[dict] = []
         self.slot_counts: list[int] | None = None  # per forward, the last window (balancing)
+        self.layer_peak_bytes: int | None = None  # peak memory before the baselines ran
 
     def setup(self) -> None:
         """Inputs and routing of this rank and the global routing counts."""
@@ -376,10 +377,15 @@ class LayerRankWorker:
         return graph
 
     def baselines(self) -> None:
-        """The all-to-all floor (both directions) and the dense-GEMM ceiling, same run."""
+        """The all-to-all floor (both directions) and the experts' compute and memory floors
+        (dense GEMMs of the same FLOPs; reading the weights of the local experts with tokens)."""
+        self.layer_peak_bytes = peak_memory_bytes(self.device)  # the layers', not the copy's
         run, model = self.workload, self.workload.model
         iters, warmup = max(1, run.iters), run.warmup
-        num_pairs = sum(self._local_counts())
+        counts = self._local_counts()
+        num_pairs = sum(counts)
+        touched = sum(1 for count in counts if count)
+        read_bytes = self.expert_weight_bytes * touched // len(counts)
         self.baseline_times = {
             "a2a_dispatch": time_all_to_all(
                 self.clock, self.traffic, model.hidden_size, self.dtype, iters, warmup
@@ -397,6 +403,7 @@ class LayerRankWorker:
                 iters,
                 warmup,
             ),
+            "weights_read": time_weights_read(self.clock, read_bytes, iters, warmup),
         }
 
     def summarize(self) -> dict:
@@ -431,7 +438,7 @@ class LayerRankWorker:
             "local_expert_counts": local_counts,
             "expert_imbalance": imbalance(local_counts),
             "expert_weight_bytes": self.expert_weight_bytes,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": self.layer_peak_bytes or peak_memory_bytes(self.device),
             "cases": cases,
             # identical on every rank:
             "global_expert_counts": self.expert_counts,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -109,6 +110,18 @@ class RankActor:
             self.worker.shutdown()
 
 
+class _TokenAuthOnNotice(logging.Filter):
+    """Drops Ray's warning that token authentication is on, for the private cluster the
+    launcher starts itself: on is what that cluster should be (the token guards its services),
+    and the warning's only advice is to turn it off. Ray's warning that it is *off* still shows.
+    """
+
+    LOGGER = "ray._private.authentication.authentication_token_setup"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
 class RaySession:
     """Connect to a cluster, or start a private local one that ``close`` fully removes."""
 
@@ -129,13 +142,19 @@ class RaySession:
                 # Ray's services listen on every interface whatever it is told (it maps a
                 # loopback node address back to the machine's); its token guards them, on by
                 # default for a local cluster since Ray 2.59 (RAY_AUTH_MODE=disabled: off)
-                ray.init(
-                    address="local",
-                    include_dashboard=False,
-                    dashboard_host=LOOPBACK,
-                    _temp_dir=self.temp_dir,
-                    logging_level="WARNING",
-                )
+                auth_logger = logging.getLogger(_TokenAuthOnNotice.LOGGER)
+                notice = _TokenAuthOnNotice()
+                auth_logger.addFilter(notice)
+                try:
+                    ray.init(
+                        address="local",
+                        include_dashboard=False,
+                        dashboard_host=LOOPBACK,
+                        _temp_dir=self.temp_dir,
+                        logging_level="WARNING",
+                    )
+                finally:
+                    auth_logger.removeFilter(notice)
             else:
                 ray.init(address=address, logging_level="WARNING")
         except (ConnectionError, RuntimeError, ValueError) as error:
