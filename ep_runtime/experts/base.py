@@ -20,6 +20,8 @@ from ep_runtime.quantization import Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
 from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
 
+UNBOUNDED_TOKENS_HINT = 4096  # tokens per rank a backend sizes for when nothing bounds a round
+
 
 @dataclass(frozen=True)
 class ExpertsCapabilities:
@@ -43,9 +45,12 @@ class ExpertsSetup:
 
     @property
     def token_cap(self) -> int:
-        if self.max_tokens_per_rank is None:
-            return self.config.max_tokens_per_rank
-        return self.max_tokens_per_rank
+        """Tokens per rank per round the backend sizes for: the layer's cap, else the config's,
+        else (exact mode with no bound) the 4096-token hint the layer gives."""
+        for cap in (self.max_tokens_per_rank, self.config.max_tokens_per_rank):
+            if cap is not None:
+                return cap
+        return UNBOUNDED_TOKENS_HINT
 
 
 def cuda_arch(device: torch.device) -> int | None:
