@@ -18,23 +18,19 @@ every later call says why.
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
-import functools
 import json
 import os
 import socket
-import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
+from ep_runtime import comm_process
 from ep_runtime.types import GroupUnusableError, RemoteRankError
 
 POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
@@ -43,12 +39,15 @@ SETTLE_S = 2.0  # how long a collective may take to end by itself once a peer is
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
 DISPATCHER_NOTICE = "dispatcher"
-# At exit, a gloo worker thread can still be letting go of the last collective's tensors; if the
-# interpreter is already finalizing, taking the GIL for that ends the thread by a forced unwind
-# through torch's C++ frames, and the process aborts (SIGABRT, "terminate called without an active
-# exception", in ProcessGroupGloo::runLoop → TensorImpl::decref_pyobject). Exit waits this long
-# first, while the interpreter can still serve it.
-GLOO_RELEASE_S = 0.2
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The forward a wait belongs to: its layer's index and its number on that layer (from 1,
+    the same on every rank)."""
+
+    layer: int
+    forward: int
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class Comm(abc.ABC):
         self.world_size = world_size
         self.device = device
         self.unusable_reason: str | None = None
-        self.layer_in_flight: int | None = None  # whose notices concern the wait in progress
+        self.in_flight: InFlight | None = None  # the forward whose notices concern a wait
 
     @staticmethod
     def create(group: dist.ProcessGroup | None, device: torch.device | None = None) -> Comm:
@@ -143,9 +142,11 @@ class Comm(abc.ABC):
         processes ``identities`` names (one per rank)."""
 
     @abc.abstractmethod
-    def post(self, topic: str, text: str, about: int | None = None) -> None:
+    def post(self, topic: str, text: str, about: int | None = None, after_forward: int = 0) -> None:
         """Leave a notice for the peers (best effort). ``about``: the rank it is about, when
-        not this one (passing on what this rank found out)."""
+        not this one (passing on what this rank found out). ``after_forward``: on a layer's
+        topic, the notice concerns only its forwards numbered above this (a layer that closed
+        after its part in forwards 1..n: a peer still finishing one of those is not stuck)."""
 
     @abc.abstractmethod
     def leave_in_failure(self, reason: str) -> None:
@@ -190,7 +191,7 @@ class SingleRankComm(Comm):
     def watched(self, namespace: str, identities: list[PeerIdentity]) -> Comm:
         return SingleRankComm(self.device, self.group)
 
-    def post(self, topic: str, text: str, about: int | None = None) -> None:
+    def post(self, topic: str, text: str, about: int | None = None, after_forward: int = 0) -> None:
         return None
 
     def leave_in_failure(self, reason: str) -> None:
@@ -198,62 +199,6 @@ class SingleRankComm(Comm):
 
     def close(self) -> None:
         return None
-
-
-def group_store(group: dist.ProcessGroup | None) -> dist.Store | None:
-    """The store the group was built on (torch keeps it privately), or None."""
-    if group is None:
-        return None
-    try:
-        if group is dist.group.WORLD:
-            return dist.distributed_c10d._get_default_store()
-        return dist.distributed_c10d._world.pg_map[group][1]
-    except (AttributeError, KeyError, RuntimeError, ValueError):
-        return None
-
-
-def process_is_gone(pid: int) -> bool:
-    """True if ``pid`` (on this host) no longer runs: no such process, or a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-_LIVE: weakref.WeakSet[GroupComm] = weakref.WeakSet()
-
-
-class _ExitNotices:
-    """``sys.excepthook`` while dispatchers are open: an uncaught exception ends this process,
-    so tell the peers of every watched group why, then run the hook it replaced."""
-
-    def __init__(self, previous: Callable) -> None:
-        self.previous = previous
-
-    def __call__(
-        self, kind: type[BaseException], value: BaseException, trace: TracebackType | None
-    ) -> None:
-        for comm in list(_LIVE):
-            comm.post(DISPATCHER_NOTICE, f"exited on an uncaught {kind.__name__}: {value}")
-        self.previous(kind, value, trace)
-
-
-def _install_exit_notices() -> None:
-    if not isinstance(sys.excepthook, _ExitNotices):
-        sys.excepthook = _ExitNotices(sys.excepthook)
-
-
-@functools.cache
-def _wait_for_gloo_at_exit() -> None:
-    """Once per process, the first time a dispatcher runs on a gloo group (GLOO_RELEASE_S)."""
-    atexit.register(time.sleep, GLOO_RELEASE_S)
 
 
 @dataclass(frozen=True)
@@ -278,7 +223,7 @@ class GroupComm(Comm):
     ) -> None:
         super().__init__(group, rank, world_size, device)
         self._watch = watch
-        self._notices_seen = 0
+        self._nothing_new_since: tuple[int, InFlight | None] = (0, None)  # (count, in_flight)
 
     @property
     def has_peers(self) -> bool:
@@ -347,7 +292,7 @@ class GroupComm(Comm):
 
     # ----------------------------------------------------------------- notices and liveness
     def watched(self, namespace: str, identities: list[PeerIdentity]) -> Comm:
-        store = group_store(self.group)
+        store = comm_process.group_store(self.group)
         local_host = socket.gethostname()
         local_peers = tuple(
             (rank, identity.pid)
@@ -362,18 +307,16 @@ class GroupComm(Comm):
             _Watch(namespace, store, local_peers),
         )
         if store is not None:
-            _LIVE.add(comm)
-            _install_exit_notices()
-            if "gloo" in self.backend:
-                _wait_for_gloo_at_exit()
+            comm_process.notify_peers_at_exit(comm, gloo="gloo" in self.backend)
         return comm
 
-    def post(self, topic: str, text: str, about: int | None = None) -> None:
+    def post(self, topic: str, text: str, about: int | None = None, after_forward: int = 0) -> None:
         if self._watch is None or self._watch.store is None:
             return
         try:
             rank = self.rank if about is None else about
-            notice = json.dumps({"text": text, "time": time.time(), "rank": rank})
+            fields = {"text": text, "time": time.time(), "rank": rank, "after": after_forward}
+            notice = json.dumps(fields)
             self._watch.store.set(self._key(self.rank, topic), notice)
             self._watch.store.add(f"{self._watch.namespace}/count", 1)
         except Exception:  # a notice must never raise on the failure path
@@ -384,7 +327,7 @@ class GroupComm(Comm):
         self.mark_unusable(f"this rank {reason}")
 
     def close(self) -> None:
-        _LIVE.discard(self)
+        comm_process.stop_notifying(self)
 
     def _key(self, rank: int, topic: str) -> str:
         assert self._watch is not None
@@ -397,11 +340,13 @@ class GroupComm(Comm):
             return []
         store = self._watch.store
         count = int(store.add(f"{self._watch.namespace}/count", 0))
-        if count == self._notices_seen:
+        if (count, self.in_flight) == self._nothing_new_since:
             return []
         topics = [DISPATCHER_NOTICE]
-        if self.layer_in_flight is not None:
-            topics.append(f"layer{self.layer_in_flight}")
+        forward = 0
+        if self.in_flight is not None:
+            topics.append(f"layer{self.in_flight.layer}")
+            forward = self.in_flight.forward
         found = []
         for rank in range(self.world_size):
             if rank == self.rank:
@@ -410,9 +355,10 @@ class GroupComm(Comm):
                 key = self._key(rank, topic)
                 if store.check([key]):
                     notice = json.loads(store.get(key))
-                    found.append((notice["time"], notice["rank"], notice["text"]))
+                    if topic == DISPATCHER_NOTICE or forward > notice["after"]:
+                        found.append((notice["time"], notice["rank"], notice["text"]))
         if not found:
-            self._notices_seen = count
+            self._nothing_new_since = (count, self.in_flight)
         return [(rank, text) for _, rank, text in sorted(found)]
 
     def _trouble(self) -> tuple[int, str] | None:
@@ -426,7 +372,7 @@ class GroupComm(Comm):
         if notices:
             return notices[0]
         for rank, pid in self._watch.local_peers if self._watch is not None else ():
-            if process_is_gone(pid):
+            if comm_process.process_is_gone(pid):
                 return rank, f"is gone: its process (pid {pid} on this host) ended"
         if store_error is not None:
             kind = type(store_error).__name__

@@ -127,7 +127,7 @@ class LayerSpec:
         rank (a prefill): what backends choosing by size go by."""
         slot_config = dataclasses.replace(self.config, num_experts=self.num_slots)
         tokens = self.max_tokens_per_rank or EXACT_MODE_TOKENS_HINT
-        return ExpertsSetup(slot_config, placement, device, self.dtype, max_tokens_per_rank=tokens)
+        return ExpertsSetup(slot_config, placement, device, self.dtype, token_cap=tokens)
 
     def settings(self) -> dict[str, str]:
         """What every rank must agree on: each field as text, a nested dataclass's fields in its

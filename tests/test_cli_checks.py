@@ -102,9 +102,10 @@ def test_weights_in_the_estimate_are_the_shard_the_rank_builds():
     assert estimate.weights == 32 * (2 * 2048 + 2048) * 7168 * 2
 
 
-# run in a fresh process: its peak resident set, less what it had before the layer's first step
+# run in a fresh process: its peak resident set during the layer's steps (the kernel's high-water
+# mark reset first, so imports' own peak does not hide it), less its resident set before them
 MEASURE = """
-import json, resource, torch, torch.distributed as dist
+import json, torch, torch.distributed as dist
 from ep_runtime.launch.layer_run import LayerWorkload
 from ep_runtime.launch.presets import PRESETS
 from ep_runtime.launch.rank import RankWorker
@@ -115,11 +116,13 @@ spec = RunSpec(1, "cpu", LayerWorkload(model=model, dtype="fp32", iters=1, warmu
                                        baselines=False, layouts=("LAYOUT",)))
 worker = RankWorker(spec, 0)
 worker.init_process_group(store=dist.HashStore())
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from tests.resident_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+reset_peak_rss()
+before = rss_bytes()
 for step in ("setup", "build"):
     worker.step(step, (0,) if step == "build" else ())
 worker.step("run_iters", (1, True))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_bytes()
 worker.shutdown()
 print(json.dumps(peak - before))
 """

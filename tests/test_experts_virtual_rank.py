@@ -21,7 +21,9 @@ CPU_BACKENDS = ["reference", "grouped_mm", *(["triton"] if interpreting() else [
 
 def setup_for(activation: str, dtype: torch.dtype) -> ExpertsSetup:
     cfg = MoEConfig(NUM_EXPERTS, 3, 32, 16, activation=activation, dtype=dtype)
-    return ExpertsSetup(cfg, ExpertPlacement(NUM_EXPERTS, RANK, WORLD), torch.device("cpu"), dtype)
+    return ExpertsSetup(
+        cfg, ExpertPlacement(NUM_EXPERTS, RANK, WORLD), torch.device("cpu"), dtype, token_cap=64
+    )
 
 
 def global_weights(setup: ExpertsSetup):

@@ -24,7 +24,7 @@ from ep_runtime.experts import EXPERTS, flashinfer_cutlass, flashinfer_trtllm, s
 from ep_runtime.experts.flashinfer_common import kernel_routing, pad_intermediate
 from ep_runtime.experts.flashinfer_cutlass import FlashInferCutlassExperts
 from ep_runtime.experts.flashinfer_trtllm import FlashInferTrtllmExperts, gemm1_row_order
-from ep_runtime.experts.self_check import check_setup, make_check_problem
+from ep_runtime.experts.self_check import CHECK_TOKEN_CAP, check_setup, make_check_problem
 from ep_runtime.reference import expert_ffn, reference_moe
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -321,19 +321,17 @@ def test_cutlass_call_arguments(monkeypatch, skip_self_check, activation, layout
     assert kw["workspace_buffer"] is kw_again["workspace_buffer"]
     assert len(kernel.workspace_calls) == 1
     ((ws_args, ws_kw),) = kernel.workspace_calls
-    assert ws_args == (3 * 256, 128, 104, 6, 3)
+    assert ws_args == (3 * CHECK_TOKEN_CAP, 128, 104, 6, 3)
     assert ws_kw["ep_size"] == 3 and ws_kw["ep_rank"] == 1
     assert ws_kw["use_fused_finalize"] is False
-    assert kw["workspace_buffer"].numel() == 1000 + 3 * 256
+    assert kw["workspace_buffer"].numel() == 1000 + 3 * CHECK_TOKEN_CAP
 
 
 def test_cutlass_workspace_grows_only_past_its_size(monkeypatch, skip_self_check):
     kernel = RecordingCutlassKernel()
     install_cutlass(monkeypatch, kernel)
     setup = check_setup(Activation.SILU, CPU)
-    setup = dataclasses.replace(
-        setup, config=dataclasses.replace(setup.config, max_tokens_per_rank=1)
-    )  # W · cap = 3 rows: smaller than the problems below
+    setup = dataclasses.replace(setup, token_cap=1)  # W · cap = 3 rows: below the problems'
     small = make_check_problem(setup, TopkLayout.STANDARD, num_tokens=12)
     large = make_check_problem(setup, TopkLayout.STANDARD, num_tokens=40)
     backend = FlashInferCutlassExperts(setup)

@@ -209,7 +209,7 @@ def test_layer_edge_cases(layout: str) -> None:
 # --------------------------------------------------------------------------- selection
 def test_auto_never_picks_the_interpreter_and_cpu_needs_it(monkeypatch) -> None:
     config = MoEConfig(4, 2, 40, 24, dtype=BF16)
-    setup = ExpertsSetup(config, ExpertPlacement(4, 0, 1), torch.device("cpu"), BF16)
+    setup = ExpertsSetup(config, ExpertPlacement(4, 0, 1), torch.device("cpu"), BF16, token_cap=64)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert TritonExperts.refusal(setup, None) is None
     assert "interpreter" in TritonExperts.auto_refusal(setup)
@@ -257,7 +257,7 @@ def test_auto_picks_it_only_where_measured_faster(monkeypatch) -> None:
 
     def setup(cap: int) -> ExpertsSetup:
         placement = ExpertPlacement(4, 0, 1)
-        return ExpertsSetup(config, placement, torch.device("cuda"), BF16, max_tokens_per_rank=cap)
+        return ExpertsSetup(config, placement, torch.device("cuda"), BF16, token_cap=cap)
 
     monkeypatch.setattr(module, "cuda_arch", lambda device: 90)
     assert TritonExperts.auto_refusal(setup(512)) is None

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Generic, TypeVar, final
 
 import torch
 
+from ep_runtime.comm import InFlight
 from ep_runtime.dispatch.protocol import (
     Agreed,
     ForwardProtocol,
@@ -99,7 +100,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         self.ops = resolve_ops(setup.device)
         self.protocol = ForwardProtocol(self.comm, self.ops, setup.device, setup.checks)
         self._containments = {phase: _Containment(self, phase) for phase in ("dispatch", "combine")}
-        self._num_layers = 0
+        self._forwards_begun: list[int] = []  # per layer index
         self._closed = False
 
     # ----------------------------------------------------------------- selection
@@ -137,7 +138,8 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         top_k = topk_ids.size(1) if x.size(0) else 0
         status = ForwardStatus.of(failure)
         fields = self.protocol.dispatch_fields(status, layer, top_k, num_local_chunks)
-        self.comm.layer_in_flight = layer.index
+        self._forwards_begun[layer.index] += 1
+        self.comm.in_flight = InFlight(layer.index, self._forwards_begun[layer.index])
         with self._containments["dispatch"]:
             route, header_pair = self._route(topk_ids, fields)
             packed = self._pack(x, topk_weights, route)
@@ -270,15 +272,17 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     # ----------------------------------------------------------------- life cycle
     def register_layer(self) -> int:
         """A new layer on this dispatcher: its index (the same on every rank)."""
-        index = self._num_layers
-        self._num_layers += 1
-        return index
+        self._forwards_begun.append(0)
+        return len(self._forwards_begun) - 1
 
     def release_layer(self, index: int) -> None:
-        """A layer closed: peers waiting in its forwards stop waiting. (After a failure that
-        left the group out of step, the peers learn the cause instead.)"""
+        """A layer closed: peers waiting in its later forwards stop waiting; a peer still
+        finishing one this rank took its whole part in is not stuck. (After a failure that left
+        the group out of step, the peers learn the cause instead.)"""
         if self.comm.unusable_reason is None:
-            self.comm.post(f"layer{index}", f"closed layer {index} (EPMoE.close())")
+            forwards = self._forwards_begun[index]
+            text = f"closed layer {index} (EPMoE.close()) after its forward {forwards}"
+            self.comm.post(f"layer{index}", text, after_forward=forwards)
 
     def take_recorded(self) -> Recorded:
         """Failures recorded on the device since the last call (one host read)."""

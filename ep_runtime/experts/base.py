@@ -20,8 +20,6 @@ from ep_runtime.quantization import Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
 from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
 
-UNBOUNDED_TOKENS_HINT = 4096  # tokens per rank a backend sizes for when nothing bounds a round
-
 
 @dataclass(frozen=True)
 class ExpertsCapabilities:
@@ -41,16 +39,9 @@ class ExpertsSetup:
     placement: ExpertPlacement
     device: torch.device
     dtype: torch.dtype
-    max_tokens_per_rank: int | None = None  # the layer's cap; None = the config's
-
-    @property
-    def token_cap(self) -> int:
-        """Tokens per rank per round the backend sizes for: the layer's cap, else the config's,
-        else (exact mode with no bound) the 4096-token hint the layer gives."""
-        for cap in (self.max_tokens_per_rank, self.config.max_tokens_per_rank):
-            if cap is not None:
-                return cap
-        return UNBOUNDED_TOKENS_HINT
+    # tokens per rank per round the backend sizes for: capacity mode's cap; exact mode's bound, or
+    # without one the layer's EXACT_MODE_TOKENS_HINT (a prefill)
+    token_cap: int
 
 
 def cuda_arch(device: torch.device) -> int | None:

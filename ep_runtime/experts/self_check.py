@@ -39,6 +39,7 @@ CHECK_TOP_K = 3
 CHECK_HIDDEN = 128
 CHECK_INTERMEDIATE = 96  # not a multiple of 128: TRTLLM's padding is exercised
 CHECK_TOKENS = 12
+CHECK_TOKEN_CAP = 256  # what the check's backends size their buffers for (a small capacity cap)
 # fp8 block scales: the blocks tile I, and TRTLLM's fp8 routing needs E % 4 == 0 (offset still 2)
 FP8_CHECK_SHAPE = dict(num_experts=8, world_size=4, intermediate=BLOCK)
 
@@ -81,7 +82,7 @@ def check_setup(
         quantization=quantization,
     )
     placement = ExpertPlacement(num_experts, rank, world_size)
-    return ExpertsSetup(config, placement, device, torch.bfloat16)
+    return ExpertsSetup(config, placement, device, torch.bfloat16, token_cap=CHECK_TOKEN_CAP)
 
 
 def make_check_problem(

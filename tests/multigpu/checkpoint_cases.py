@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gc
-import re
 
 import torch
 import torch.distributed as dist
 
 from ep_runtime.integrations.checkpoint import build_empty_model, load_sharded
 from ep_runtime.integrations.transformers import greedy_generate
+from tests.resident_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def _quiet(_: object) -> None:
@@ -58,44 +58,23 @@ def group_still_works() -> int:
     return int(value.item())
 
 
-def _rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
-
-
-def _peak_rss_bytes() -> int:
-    """The peak resident size since the last ``_reset_peak_rss`` (Linux ``VmHWM``)."""
-    return _status_kib("VmHWM") * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE).group(1))
-
-
-def _reset_peak_rss() -> None:
-    """Set the peak to the current resident size. (``ru_maxrss`` would not do: a spawned
-    process starts with its parent's resident size at the fork as its peak.)"""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
 def load_and_measure_memory_on_rank(path: str, config: object) -> dict:
     """Peak resident memory during a load against the resident size just before it (after the
     imports and one empty build of the model, so that lazily imported model code is not
     counted); Linux only (``/proc/self/status``, ``clear_refs``)."""
     build_empty_model(config, torch.float32)
     gc.collect()
-    before = _rss_bytes()
-    _reset_peak_rss()
+    before = rss_bytes()
+    reset_peak_rss()
     loaded = load_sharded(
         path, dtype=torch.float32, dispatcher="torch_a2a", experts="reference", progress=_quiet
     )
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     report = loaded.load
     result = {
         "before": before,
         "peak": peak,
-        "after": _rss_bytes(),
+        "after": rss_bytes(),
         "bytes_read": report.bytes_read,
         "dense_bytes": report.dense_bytes,
         "expert_bytes": report.expert_bytes,
