@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass
 
 from ep_runtime.comm import Comm, PeerIdentity
-from ep_runtime.dispatch.base import Dispatcher, PeerSetup
+from ep_runtime.dispatch.base import Dispatcher
+from ep_runtime.dispatch.setup import PeerSetup
 from ep_runtime.experts.base import Experts
 from ep_runtime.layer_spec import LayerSpec
 from ep_runtime.selection import BackendChoice

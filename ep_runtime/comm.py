@@ -35,7 +35,7 @@ from ep_runtime.types import GroupUnusableError, RemoteRankError
 
 POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
 POLL_EVERY_S = 0.2
-SETTLE_S = 2.0  # how long a collective may take to end by itself once a peer is in trouble
+SETTLE_S = 0.25  # a collective gets this long to end by itself once a peer is in trouble
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
 DISPATCHER_NOTICE = "dispatcher"

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from ep_runtime.agreement import agree_on_build
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
-from ep_runtime.dispatch.base import LayerIdentity
 from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
+from ep_runtime.dispatch.protocol import LayerIdentity
 from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport, WeightSet
 from ep_runtime.experts.base import check_expert_weights
 from ep_runtime.layer_spec import LayerSpec, checked_device
@@ -36,6 +36,11 @@ from ep_runtime.validation import check_forward_inputs
 T = TypeVar("T")
 PhaseTimer = Callable[[str, Callable[[], T]], T]  # (phase name, the phase's work) -> its result
 PHASES = ("dispatch", "experts", "combine")
+
+
+def _run_now(phase: str, work: Callable[[], T]) -> T:
+    """The ``PhaseTimer`` of an untimed forward."""
+    return work()
 
 
 class EPMoE(torch.nn.Module):
@@ -305,41 +310,10 @@ class EPMoE(torch.nn.Module):
         failure: BaseException | None,
     ) -> int:
         """One dispatch → experts → combine round; returns the forward's chunk count. A failure
-        in the experts still takes part in the combine, carrying its status. With a
-        ``phase_timer`` each phase runs through it."""
-        if self.phase_timer is not None:
-            return self._timed_chunk(x, topk_ids, topk_weights, out, num_local_chunks, failure)
-        dispatched, num_chunks = self.dispatcher.dispatch(
-            x,
-            topk_ids,
-            topk_weights,
-            self.layout,
-            layer=self.identity,
-            num_local_chunks=num_local_chunks,
-            failure=failure,
-        )
-        expert_output = None
-        if failure is None:
-            try:
-                expert_output = self.experts.forward(dispatched)
-            except BaseException as error:  # the peers learn it through the combine
-                failure = error
-        self.dispatcher.combine(expert_output, dispatched, out, failure=failure)
-        return num_chunks
-
-    def _timed_chunk(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        out: torch.Tensor | None,
-        num_local_chunks: int,
-        failure: BaseException | None,
-    ) -> int:
-        """``_forward_chunk`` with each phase run through ``phase_timer``."""
-        timer = self.phase_timer
-        assert timer is not None
-        dispatched, num_chunks = timer(
+        in the experts still takes part in the combine, carrying its status. Each phase runs
+        through ``phase_timer`` when one is set."""
+        run = self.phase_timer or _run_now
+        dispatched, num_chunks = run(
             "dispatch",
             lambda: self.dispatcher.dispatch(
                 x,
@@ -349,15 +323,16 @@ class EPMoE(torch.nn.Module):
                 layer=self.identity,
                 num_local_chunks=num_local_chunks,
                 failure=failure,
+                slot_load=self.eplb.slot_load,
             ),
         )
         expert_output = None
         if failure is None:
             try:
-                expert_output = timer("experts", lambda: self.experts.forward(dispatched))
+                expert_output = run("experts", lambda: self.experts.forward(dispatched))
             except BaseException as error:  # the peers learn it through the combine
                 failure = error
-        timer(
+        run(
             "combine",
             lambda: self.dispatcher.combine(expert_output, dispatched, out, failure=failure),
         )

@@ -20,8 +20,8 @@ from ep_runtime.config import (
     MoEConfig,
     check_token_bound,
 )
-from ep_runtime.dispatch.base import DispatchSetup
 from ep_runtime.dispatch.protocol import fingerprint_of
+from ep_runtime.dispatch.setup import DispatchSetup
 from ep_runtime.experts.base import ExpertsSetup
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.types import DispatchMode, EPInputError, TopkLayout

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from ep_runtime import dispatch as _dispatch_backends  # noqa: F401  (registers dispatchers)
 from ep_runtime import experts as _experts_backends  # noqa: F401  (registers experts)
-from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher, DispatchSetup
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher
+from ep_runtime.dispatch.setup import DispatchSetup
 from ep_runtime.experts.base import EXPERTS, Experts, ExpertsSetup
 from ep_runtime.types import BackendUnavailableError, TopkLayout
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher, DispatcherCapabilities
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher
 from ep_runtime.dispatch.protocol import Agreed
-from ep_runtime.dispatch.setup import DispatchSetup
+from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup
 from ep_runtime.kernels import Route
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.comm import Comm
-from ep_runtime.dispatch.base import DISPATCHERS, DispatchSetup
+from ep_runtime.dispatch.base import DISPATCHERS
+from ep_runtime.dispatch.setup import DispatchSetup
 from ep_runtime.dispatch.torch_symm_mem import SymmetricTransport, TorchSymmMemDispatcher
 
 Pieces = list[tuple[int, torch.Tensor]]  # (first output row, rows) written by an op

@@ -19,13 +19,7 @@ import torch
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.comm import Comm, PeerIdentity, SingleRankComm
 from ep_runtime.dispatch import deepep_environment, deepep_v2
-from ep_runtime.dispatch.base import (
-    DISPATCHERS,
-    Dispatcher,
-    DispatchSetup,
-    LayerIdentity,
-    PeerSetup,
-)
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher
 from ep_runtime.dispatch.deepep_environment import RankGin, must_disable_gin
 from ep_runtime.dispatch.deepep_v2 import DeepEPV2Dispatcher
 from ep_runtime.dispatch.nccl_probe import (
@@ -35,6 +29,8 @@ from ep_runtime.dispatch.nccl_probe import (
     _decode_version,
     probe_library,
 )
+from ep_runtime.dispatch.protocol import LayerIdentity
+from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
 from ep_runtime.placement import LocalExperts
 from ep_runtime.types import ClosedError, DispatchMode, EPInputError, TopkLayout
 from tests.comms import comm_without_group

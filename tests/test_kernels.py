@@ -111,6 +111,7 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
     for name, ops in (("triton", triton_ops), ("torch", torch_ops)):
         control = new_control(device, [7, 3, 0, 0, 0, 1])  # SEQ 7, BAD_IDS 3, FORWARD_FAILED 1
         header = torch.full((W, HEADER_INTS), -5, dtype=torch.int32, device=device)
+        slot_load = torch.arange(E, dtype=torch.int64, device=device)  # counts so far: added to
         route = ops.route_tokens(
             ids,
             num_experts=E,
@@ -120,13 +121,22 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
             control=control,
             fields=fields,
             header_out=header,
+            slot_load=slot_load,
         )
         assert route.header is header
-        results[name] = (route, control)
-    (got, got_control), (want, want_control) = results["triton"], results["torch"]
+        results[name] = (route, control, slot_load)
+    (got, got_control, got_load), (want, want_control, want_load) = (
+        results["triton"],
+        results["torch"],
+    )
     for field in ("ids", "dest_slot", "token_of", "header"):
         assert_bitwise(getattr(got, field), getattr(want, field), field)
     assert_bitwise(got_control, want_control, "control")
+    # by hand: one count per kept (token, slot) pair (dropped ids and repeats are not sent)
+    kept = want.ids[want.ids >= 0].long().cpu()
+    hand = torch.arange(E) + torch.bincount(kept, minlength=E)
+    assert_bitwise(got_load.cpu(), hand, "slot_load (triton)")
+    assert_bitwise(want_load.cpu(), hand, "slot_load (torch)")
     if drop and T:
         assert int(want_control[Control.BAD_IDS]) > 3, "the case should drop ids"
 

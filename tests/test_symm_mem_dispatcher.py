@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.comm import PeerIdentity
-from ep_runtime.dispatch.base import Dispatcher, DispatchSetup, LayerIdentity, PeerSetup
-from ep_runtime.dispatch.protocol import Phase
+from ep_runtime.dispatch.base import Dispatcher
+from ep_runtime.dispatch.protocol import LayerIdentity, Phase
+from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
 from ep_runtime.dispatch.torch_a2a import TorchAllToAll
 from ep_runtime.dispatch.torch_symm_mem import TorchSymmMemDispatcher
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ep_runtime import ClosedError, EPInputError, EPMoE, MoEConfig
-from ep_runtime.dispatch.base import DEVICE_CHECKS_ENV
+from ep_runtime.dispatch.setup import DEVICE_CHECKS_ENV
 from ep_runtime.placement import ExpertPlacement
 
 CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=4, dtype=torch.float32)

@@ -5,6 +5,7 @@ from ep_runtime.registry import import_package_modules
 
 import_package_modules(__name__, __path__)
 
-from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher, DispatchSetup  # noqa: E402
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher  # noqa: E402
+from ep_runtime.dispatch.setup import DispatchSetup  # noqa: E402
 
 __all__ = ["DISPATCHERS", "DispatchSetup", "Dispatcher"]

@@ -31,29 +31,15 @@ from ep_runtime.dispatch.protocol import (
     ForwardProtocol,
     ForwardStatus,
     LayerIdentity,
+    PhaseContainment,
     Recorded,
     invalid_ids_error,
 )
-from ep_runtime.dispatch.setup import (
-    DEVICE_CHECKS_ENV,
-    DispatcherCapabilities,
-    DispatchSetup,
-    PeerSetup,
-)
+from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
 from ep_runtime.kernels import Route, resolve_ops
 from ep_runtime.kernels.wire import HEADER_INTS, HeaderFields
 from ep_runtime.registry import Registry
-from ep_runtime.types import (
-    ClosedError,
-    Dispatched,
-    ForwardMismatchError,
-    GroupUnusableError,
-    RemoteRankError,
-    TopkLayout,
-)
-
-__all__ = ["DEVICE_CHECKS_ENV", "DISPATCHERS", "DispatchSetup", "Dispatcher", "LayerIdentity"]
-__all__ += ["DispatcherCapabilities", "PeerSetup"]  # setup.py's, where the layer imports them
+from ep_runtime.types import ClosedError, Dispatched, TopkLayout
 
 FINAL_METHODS = ("dispatch", "combine")
 PackedT = TypeVar("PackedT")  # a transport's packed dispatch, before the header exchange
@@ -99,8 +85,9 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         self.placement = setup.placement
         self.ops = resolve_ops(setup.device)
         self.protocol = ForwardProtocol(self.comm, self.ops, setup.device, setup.checks)
-        self._containments = {phase: _Containment(self, phase) for phase in ("dispatch", "combine")}
-        self._forwards_begun: list[int] = []  # per layer index
+        self._containments = {p: PhaseContainment(self.comm, p) for p in ("dispatch", "combine")}
+        self._num_layers = 0
+        self._forwards_begun: dict[int, int] = {}  # by layer index
         self._closed = False
 
     # ----------------------------------------------------------------- selection
@@ -125,11 +112,14 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         layer: LayerIdentity,
         num_local_chunks: int = 1,
         failure: BaseException | None = None,
+        slot_load: torch.Tensor | None = None,  # [E] int64
     ) -> tuple[Dispatched, int]:
         """Send this rank's rows; returns what the experts read and the forward's chunk count.
 
         ``failure``: this rank failed before dispatch (bad input); it still takes part, with no
-        tokens, so its peers learn it at once (or, capacity mode on CUDA, at ``check()``)."""
+        tokens, so its peers learn it at once (or, capacity mode on CUDA, at ``check()``).
+        ``slot_load``: each (token, expert) pair sent adds 1 to its expert's bin (in the route's
+        launch: the layer's load counts cost no kernel of their own)."""
         self._check_open()
         self.comm.check_usable()
         if failure is not None:
@@ -138,10 +128,10 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         top_k = topk_ids.size(1) if x.size(0) else 0
         status = ForwardStatus.of(failure)
         fields = self.protocol.dispatch_fields(status, layer, top_k, num_local_chunks)
-        self._forwards_begun[layer.index] += 1
-        self.comm.in_flight = InFlight(layer.index, self._forwards_begun[layer.index])
+        number = self._forwards_begun[layer.index] = self._forwards_begun.get(layer.index, 0) + 1
+        self.comm.in_flight = InFlight(layer.index, number)
         with self._containments["dispatch"]:
-            route, header_pair = self._route(topk_ids, fields)
+            route, header_pair = self._route(topk_ids, fields, slot_load)
             packed = self._pack(x, topk_weights, route)
             received = self.comm.all_to_all(header_pair[0], recv=header_pair[1])
             outcome = self.protocol.check_dispatch(
@@ -203,7 +193,9 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         assert result is not None
         return result
 
-    def _route(self, topk_ids: torch.Tensor, fields: HeaderFields) -> tuple[Route, torch.Tensor]:
+    def _route(
+        self, topk_ids: torch.Tensor, fields: HeaderFields, slot_load: torch.Tensor | None
+    ) -> tuple[Route, torch.Tensor]:
         """Destinations of this rank's tokens, ids cast and checked, and the header; returns
         (route, ``[2, W, HEADER_INTS]`` int32 header pair with row 0 the header sent to each
         rank and row 1 where the received headers land)."""
@@ -219,6 +211,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
             fields=fields,
             header_out=header_pair[0],
             invalid_status=self.protocol.invalid_ids_status,
+            slot_load=slot_load,
         )
         return route, header_pair
 
@@ -272,15 +265,15 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     # ----------------------------------------------------------------- life cycle
     def register_layer(self) -> int:
         """A new layer on this dispatcher: its index (the same on every rank)."""
-        self._forwards_begun.append(0)
-        return len(self._forwards_begun) - 1
+        self._num_layers += 1
+        return self._num_layers - 1
 
     def release_layer(self, index: int) -> None:
         """A layer closed: peers waiting in its later forwards stop waiting; a peer still
         finishing one this rank took its whole part in is not stuck. (After a failure that left
         the group out of step, the peers learn the cause instead.)"""
         if self.comm.unusable_reason is None:
-            forwards = self._forwards_begun[index]
+            forwards = self._forwards_begun.get(index, 0)
             text = f"closed layer {index} (EPMoE.close()) after its forward {forwards}"
             self.comm.post(f"layer{index}", text, after_forward=forwards)
 
@@ -296,29 +289,6 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     def close(self) -> None:
         self._closed = True
         self.comm.close()
-
-
-class _Containment:
-    """``with``: an unexpected exception inside a phase leaves the peers in a collective this
-    rank will not reach: tell them (a notice they poll) and refuse later use. (A class, built
-    once per phase: no generator per forward.)"""
-
-    def __init__(self, dispatcher: Dispatcher, phase: str) -> None:
-        self.dispatcher = dispatcher
-        self.phase = phase
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb) -> bool:
-        if error is None or isinstance(
-            error, (RemoteRankError, GroupUnusableError, ForwardMismatchError)
-        ):
-            return False
-        self.dispatcher.comm.leave_in_failure(
-            f"failed inside {self.phase}: {type(error).__name__}: {error}"
-        )
-        return False
 
 
 DISPATCHERS: Registry[type[Dispatcher]] = Registry("dispatcher")

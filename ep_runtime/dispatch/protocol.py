@@ -26,7 +26,12 @@ import torch
 from ep_runtime.comm import Comm
 from ep_runtime.kernels import KernelOps
 from ep_runtime.kernels.wire import HEADER_INTS, Control, Field, HeaderFields, new_control
-from ep_runtime.types import EPInputError, ForwardMismatchError, RemoteRankError
+from ep_runtime.types import (
+    EPInputError,
+    ForwardMismatchError,
+    GroupUnusableError,
+    RemoteRankError,
+)
 from ep_runtime.validation import check_topk_id_values
 
 
@@ -311,3 +316,24 @@ def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException
     except EPInputError as error:
         return error
     return EPInputError("topk_ids", f"values in [0, {num_experts}) or -1, distinct", "invalid")
+
+
+class PhaseContainment:
+    """``with``: an unexpected exception inside a phase leaves the peers in a collective this
+    rank will not reach: tell them (a notice they poll) and refuse later use. (A class, built
+    once per phase: no generator per forward.)"""
+
+    def __init__(self, comm: Comm, phase: str) -> None:
+        self.comm = comm
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb) -> bool:
+        if error is None or isinstance(
+            error, (RemoteRankError, GroupUnusableError, ForwardMismatchError)
+        ):
+            return False
+        self.comm.leave_in_failure(f"failed inside {self.phase}: {type(error).__name__}: {error}")
+        return False

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.dispatch.base import DISPATCHERS, DispatcherCapabilities
+from ep_runtime.dispatch.base import DISPATCHERS
 from ep_runtime.dispatch.rows import RowDispatcher
+from ep_runtime.dispatch.setup import DispatcherCapabilities
 from ep_runtime.types import DispatchMode, TopkLayout
 
 

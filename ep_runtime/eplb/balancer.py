@@ -150,10 +150,13 @@ class ExpertBalancer:
         )
 
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Map ``[T, K]`` logical ids to physical slots and count them (device only)."""
-        physical = self.device_map.to_physical(topk_ids, seed=self.comm.rank)
-        self.device_map.record(physical)
-        return physical
+        """Map ``[T, K]`` logical ids to physical slots (device only; no op at R = 0)."""
+        return self.device_map.to_physical(topk_ids, seed=self.comm.rank)
+
+    @property
+    def slot_load(self) -> torch.Tensor:
+        """``[E + R]`` int64 per-slot counts the dispatcher's route adds each forward's pairs to."""
+        return self.device_map.load
 
     def forward_done(self, reload: Reload) -> RebalanceReport | None:
         """Count a completed forward; every ``interval`` forwards rebalance from the window."""

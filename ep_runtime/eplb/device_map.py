@@ -1,6 +1,7 @@
-"""The placement on the device: logical → physical ids before dispatch, and per-slot load counts.
+"""The placement on the device: logical → physical ids before dispatch, and the per-slot load
+counts (added to by the dispatcher's route, in its own launch).
 
-Both are a few plain torch ops on tensors of fixed shape, updated in place on a rebalance: no
+The map is a few plain torch ops on tensors of fixed shape, updated in place on a rebalance: no
 host read, no data-dependent shape, so a capacity-mode forward stays capturable in a CUDA graph
 (a graph captured before a rebalance reads the new map when replayed after it).
 """
@@ -14,8 +15,8 @@ from ep_runtime.eplb.placement_map import PlacementMap
 
 class DeviceMap:
     """``table [E, R + 1]`` (each expert's slots, -1 padded; R + 1 is the most replicas any
-    expert can have, so the shape never changes), ``counts [E]`` and ``load [E + R + 1]`` (the
-    last bin takes -1 and invalid ids), all int64 on ``device``."""
+    expert can have, so the shape never changes), ``counts [E]`` and ``load [E + R]``, all int64
+    on ``device``."""
 
     def __init__(self, placement: PlacementMap, device: torch.device) -> None:
         width = placement.num_redundant + 1
@@ -23,7 +24,7 @@ class DeviceMap:
         self.num_physical = placement.num_physical
         self.table = placement.logical_to_physical(width).to(device)
         self.counts = placement.replica_counts.to(device)
-        self.load = torch.zeros(self.num_physical + 1, dtype=torch.int64, device=device)
+        self.load = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         self.identity = placement.is_identity
 
     def update(self, placement: PlacementMap) -> None:
@@ -49,18 +50,9 @@ class DeviceMap:
         invalid = torch.where(ids == -1, -1, self.num_physical)
         return torch.where(valid, physical, invalid).to(torch.int32)
 
-    def record(self, physical_ids: torch.Tensor) -> None:
-        """Add one count per (token, slot) to its physical slot's bin (scatter of int64 ones:
-        exact and order-independent, so deterministic)."""
-        flat = physical_ids.reshape(-1).to(torch.int64)
-        bins = torch.where(
-            (flat >= 0) & (flat < self.num_physical), flat, torch.full_like(flat, self.num_physical)
-        )
-        self.load.index_add_(0, bins, torch.ones_like(bins))
-
     def take_load(self, reset: bool) -> torch.Tensor:
         """``[E + R]`` int64 counts recorded on this rank (a copy), cleared if ``reset``."""
-        counted = self.load[: self.num_physical].clone()
+        counted = self.load.clone()
         if reset:
             self.load.zero_()
         return counted

@@ -41,6 +41,7 @@ class KernelOps(Protocol):
         fields: HeaderFields,
         header_out: torch.Tensor,  # [W, HEADER_INTS] int32
         invalid_status: int = 0,
+        slot_load: torch.Tensor | None = None,  # [E] int64 per-id counts, added to
     ) -> Route: ...
 
     def pack_rows(

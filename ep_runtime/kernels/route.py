@@ -1,7 +1,8 @@
 """``route_tokens``: where each of this rank's tokens goes, and the header to each rank.
 
-The route also writes the forward header (the protocol's fields plus per-destination counts) and
-advances the forward counter in the control block: both are read on the device in the same
+The route also writes the forward header (the protocol's fields plus per-destination counts),
+advances the forward counter in the control block and, when given a ``slot_load``, counts each
+kept (token, slot) pair in its slot's bin (the layer's expert load, for EPLB): all in the same
 launch, so capacity mode needs no host sync and no second kernel per forward.
 
 The torch function is the spec (and the CPU path); the Triton one is bitwise equal to it and
@@ -46,6 +47,7 @@ def torch_route_tokens(
     fields: HeaderFields,
     header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
     invalid_status: int = 0,
+    slot_load: torch.Tensor | None = None,  # [E] int64: += kept (token, slot) pairs per id
 ) -> Route:
     """Destinations and chunk rows of every token, and the header to each rank.
 
@@ -66,6 +68,9 @@ def torch_route_tokens(
         dropped = (out_of_range.sum() + repeated.sum()).to(torch.int32)
         if not invalid_status:
             control[Control.BAD_IDS] += dropped
+    if slot_load is not None:  # a fixed-shape add (unused pairs add 0): graph-capturable
+        kept = ids >= 0
+        slot_load.index_add_(0, ids.clamp(min=0).reshape(-1), kept.reshape(-1).to(torch.int64))
     owner = torch.where(ids >= 0, ids // experts_per_rank, world_size)  # [T, K], W = unused
     mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, owner, True)
@@ -110,6 +115,7 @@ def _route_kernel(
     header,  # [W, HEADER_INTS] int32
     header_stride,
     control,  # [CONTROL_INTS] int32
+    slot_load,  # [E] int64 (COUNT)
     num_tokens,
     num_experts,
     experts_per_rank,
@@ -126,6 +132,7 @@ def _route_kernel(
     WP: tl.constexpr,  # world padded to a power of two
     BT: tl.constexpr,  # tokens per step
     DROP: tl.constexpr,
+    COUNT: tl.constexpr,  # add each kept (token, slot) pair to slot_load
 ):
     """One program: tokens in blocks of BT, with running rows per destination (the carry)."""
     seq = tl.load(control + C_SEQ)
@@ -158,6 +165,9 @@ def _route_kernel(
             ids = tl.where(repeated, -1, ids)
             dropped_lanes += tl.sum((out_of_range | repeated).to(tl.int32), axis=1)
         tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
+        if COUNT:  # integer atomics: the same counts in any order
+            kept = tk_ok & (ids >= 0)
+            tl.atomic_add(slot_load + tl.where(kept, ids, 0), 1, mask=kept)
         owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)
         hit = (owner[:, :, None] == w[None, None, :]) & (w[None, None, :] < world)  # [BT,KP,WP]
         hit = hit.to(tl.int32)
@@ -213,6 +223,7 @@ def triton_route_tokens(
     fields: HeaderFields,
     header_out: torch.Tensor,  # [W, HEADER_INTS] int32: the header sent to each rank
     invalid_status: int = 0,
+    slot_load: torch.Tensor | None = None,  # [E] int64: += kept (token, slot) pairs per id
 ) -> Route:
     """Destinations and chunk rows of every token, and the header to each rank (one launch;
     ``torch_route_tokens`` is the spec)."""
@@ -234,6 +245,7 @@ def triton_route_tokens(
         header_out,
         header_out.stride(0),
         control,
+        control if slot_load is None else slot_load,  # not read without COUNT
         num_tokens,
         num_experts,
         experts_per_rank,
@@ -250,6 +262,7 @@ def triton_route_tokens(
         WP=wp,
         BT=pow2(block),
         DROP=drop_invalid,
+        COUNT=slot_load is not None,
         num_warps=8,
     )
     return Route(ids, dest_slot, token_of, header_out)

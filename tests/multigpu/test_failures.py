@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ep_runtime.dispatch.base import DEVICE_CHECKS_ENV
+from ep_runtime.dispatch.setup import DEVICE_CHECKS_ENV
 from ep_runtime.launch.rendezvous import LOOPBACK, host_store
 from tests.multigpu import fault_cases
 from tests.multigpu.pool import RankPool
