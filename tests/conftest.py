@@ -85,3 +85,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nUnexpected skips on this machine (see tests/conftest.py):\n{lines}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
