@@ -84,5 +84,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         lines = "\n".join(f"  {node}: {why}" for node, why in unexpected)
         print(f"\nUnexpected skips on this machine (see tests/conftest.py):\n{lines}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ep_runtime.bench.report import CONVENTIONS
 from tests.processes import (
     ENV,
     REPO,
@@ -69,19 +70,22 @@ def test_driver_forwards_settings_but_not_a_nodes_network(monkeypatch):
 
 
 # runs -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("dp", "extra"),
-    [(2, ()), pytest.param(4, ("--layout", "both"), marks=pytest.mark.slow)],
-)
-def test_ray_run_passes_and_reports(tmp_path, dp, extra, launcher_runs):
+def test_ray_run_passes_and_reports(tmp_path, launcher_runs):
+    """A passing local Ray run (Ray's defaults: token authentication on): the report, the JSON
+    and the plot; no warning printed, and each legend line whole (piped, not wrapped)."""
+    dp = 2
     report, plot = tmp_path / "report.json", tmp_path / "plot.png"
     started = time.monotonic()
-    run = launcher_runs("--dp", str(dp), "--json", str(report), "--plot", str(plot), *extra)
+    run = launcher_runs("--dp", str(dp), "--json", str(report), "--plot", str(plot))
     code, output = run.finish(timeout=120)
     elapsed = time.monotonic() - started
     assert code == 0, output
     assert elapsed < 60, f"took {elapsed:.1f} s"
     assert "Ranks" in output and "PASSED" in output
+    assert not re.search(r"warn", output, re.IGNORECASE), output
+    lines = output.splitlines()
+    for convention in CONVENTIONS:
+        assert convention in lines, convention
     data = json.loads(report.read_text())
     assert data["passed"] and data["launcher"] == "ray" and data["world_size"] == dp
     assert data["max_rel_err"] <= data["tolerance"]

@@ -23,6 +23,7 @@ import torch
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.bench.layer import Point, copy_rate_bytes_per_ms, inputs, time_ms
+from ep_runtime.bench.timing import graph_replay_ms
 from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -119,20 +120,7 @@ def measure_layer(point: Point, experts: str, data, device: torch.device) -> dic
         back_to_back_ms = start.elapsed_time(end) / BACK_TO_BACK
         graph_ms = None
         if point.mode == "capacity":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    layer(x, ids, weights)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                graph_out = layer(x, ids, weights)
-            graph.replay()
-            torch.cuda.synchronize()
-            if not torch.equal(graph_out, out):
-                raise AssertionError(f"{point.name} {experts}: the graph's output differs")
-            graph_ms = time_ms(graph.replay)
+            graph_ms = graph_replay_ms(lambda: layer(x, ids, weights), out)
         layer.check()
     finally:
         layer.close()

@@ -22,6 +22,7 @@ import torch
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.bench.layer import Point, inputs, time_ms
+from ep_runtime.bench.timing import graph_replay_ms
 from ep_runtime.kernels.layout import RowFormat
 from ep_runtime.quantization import dequantize_weight_blocks, quantize_weight_blocks
 from ep_runtime.tolerance import compare_per_token, tolerance_for
@@ -77,21 +78,7 @@ def timed_forward(layer: EPMoE, x, ids, weights, graph: bool) -> tuple[torch.Ten
         raise AssertionError("two eager forwards differ")
     if not graph:
         return out, time_ms(lambda: layer(x, ids, weights))
-    device = x.device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            layer(x, ids, weights)
-    torch.cuda.current_stream(device).wait_stream(side)
-    captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
-        graph_out = layer(x, ids, weights)
-    captured.replay()
-    torch.cuda.synchronize()
-    if not torch.equal(graph_out, out):
-        raise AssertionError("the graph's output differs from eager")
-    return out, time_ms(captured.replay)
+    return out, graph_replay_ms(lambda: layer(x, ids, weights), out)
 
 
 def measure(point: Point, device: torch.device) -> Fp8Row:

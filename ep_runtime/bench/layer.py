@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
-from ep_runtime.bench.timing import copy_rate_bytes_per_ms, device_activity, time_ms
+from ep_runtime.bench.timing import (
+    copy_rate_bytes_per_ms,
+    device_activity,
+    graph_replay_ms,
+    time_ms,
+)
 from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -139,20 +144,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         gemms_ms = time_ms(gemms)
         graph_ms = None
         if point.mode == "capacity":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    layer(x, ids, weights)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                graph_out = layer(x, ids, weights)
-            graph.replay()
-            torch.cuda.synchronize()
-            if not torch.equal(graph_out, out):
-                raise AssertionError(f"{point.name}: the CUDA graph's output differs from eager")
-            graph_ms = time_ms(graph.replay)
+            graph_ms = graph_replay_ms(lambda: layer(x, ids, weights), out)
         layer.check()
     finally:
         layer.close()

@@ -103,6 +103,26 @@ def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
     return statistics.median(times)
 
 
+def graph_replay_ms(forward: Callable[[], torch.Tensor], eager_out: torch.Tensor) -> float:
+    """Capture ``forward`` (a capacity-mode layer call, warmed on a side stream first) in a CUDA
+    graph, check that a replay's output equals ``eager_out`` bitwise, and time the replays."""
+    device = eager_out.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.equal(graph_out, eager_out):
+        raise AssertionError("the CUDA graph's output differs from the eager forward's")
+    return time_ms(graph.replay)
+
+
 def copy_rate_bytes_per_ms(device: torch.device) -> float:
     """Bytes read + written per ms by a 2 GiB device-to-device copy."""
     source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
