@@ -309,14 +309,13 @@ def _check_ranks_on_both_hosts(pair: TwoHosts, submitted, report: Path) -> dict:
     return data
 
 
-@pytest.mark.parametrize("own_name_to_loopback", [False, True], ids=["own-address", "127.0.1.1"])
-def test_ranks_run_on_both_hosts_without_interface_variables(
-    two_hosts, own_name_to_loopback, tmp_path
-):
+def test_ranks_run_on_both_hosts_without_interface_variables(two_hosts, tmp_path):
     """No interface variable anywhere: each rank binds gloo to the interface holding its node's
-    IP, so the Debian-style ``/etc/hosts`` no longer sends peers to 127.0.1.1."""
+    IP, so the Debian-style ``/etc/hosts`` (the host name on 127.0.1.1, the case that broke
+    gloo) no longer sends peers to 127.0.1.1. (The host name on its own address, the easy case,
+    is the bad-interface test's set-up, where host A's ranks run.)"""
     for host in two_hosts.hosts:
-        host.write_hosts(own_name_to_loopback)
+        host.write_hosts(own_name_to_loopback=True)
     two_hosts.cluster({}, {})
     report = tmp_path / "report.json"
     data = _check_ranks_on_both_hosts(two_hosts, two_hosts.submit(report), report)
