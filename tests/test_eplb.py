@@ -350,7 +350,7 @@ def test_bad_logical_ids_still_fail_the_forward() -> None:
         layer.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 def test_cuda_capacity_forward_with_the_map_syncs_nothing_and_replays_bitwise() -> None:
     """Capacity mode, W = 1, R = 4 replicas: a forward makes no host sync; a captured forward
     replays bitwise equal to eager, also after a rebalance (the map's tables and the slot

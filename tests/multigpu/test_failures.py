@@ -195,10 +195,16 @@ def run_dying_group(world: int, victim: int, scenario: str, mode: str, layout: s
     return reactions, [p.returncode for p in processes], [err for _, err in outputs]
 
 
-@pytest.mark.parametrize("scenario", ["raise_before", "raise_inside", "kill_before", "kill_inside"])
-@pytest.mark.parametrize(
-    ("world", "mode", "layout"), [(2, "exact", "standard"), (3, "capacity", "expanded")]
-)
+# each scenario once; each set-up sees a raise and a kill, one before and one inside a forward
+DYING = [
+    (2, "exact", "standard", "raise_before"),
+    (2, "exact", "standard", "kill_inside"),
+    (3, "capacity", "expanded", "raise_inside"),
+    (3, "capacity", "expanded", "kill_before"),
+]
+
+
+@pytest.mark.parametrize(("world", "mode", "layout", "scenario"), DYING)
 def test_a_dying_rank_is_named(world, mode, layout, scenario) -> None:
     victim = world - 1
     reactions, exit_codes, errors = run_dying_group(world, victim, scenario, mode, layout)
@@ -219,9 +225,18 @@ def test_a_dying_rank_is_named(world, mode, layout, scenario) -> None:
         assert reaction["seconds"] < WITHIN_S, reaction
 
 
-@pytest.mark.parametrize("fault", ["experts", "input", "layer"])
-@pytest.mark.parametrize("layout", ["standard", "expanded"])
-@pytest.mark.parametrize("world", [2, 3])
+# every fault at both world sizes and in both layouts (each (world, layout) pair in some case)
+DEVICE_FAULTS = [
+    (2, "standard", "experts"),
+    (3, "expanded", "experts"),
+    (2, "expanded", "input"),
+    (3, "standard", "input"),
+    (2, "standard", "layer"),
+    (3, "expanded", "layer"),
+]
+
+
+@pytest.mark.parametrize(("world", "layout", "fault"), DEVICE_FAULTS)
 def test_checks_on_the_device_poison_the_forward_and_check_names_the_rank(world, layout, fault):
     """Capacity mode on CUDA reads nothing on the host: a failed forward's output is NaN on every
     healthy rank, and ``check()`` raises naming the rank; the failing rank raises its own error
