@@ -17,6 +17,10 @@ CUDA_ONLY = (
     "flashinfer_cutlass",
     "torch_symm_mem",
 )
+# Triton's interpreter (CPU) runs every rank's kernels in numpy: slow, and a world of 4 takes no
+# kernel path a world of 2 does not (the transports run at 4 with the other experts backends), so
+# the matrices run the interpreted Triton experts at world sizes up to this
+INTERPRETED_MAX_WORLD_SIZE = 2
 
 
 def _nvshmem_available() -> bool:

@@ -19,9 +19,10 @@ import torch
 
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
+from ep_runtime.experts.triton import interpreting
 from ep_runtime.types import Activation, DispatchMode, TopkLayout
 from tests.multigpu import checks, dispatch_cases, layer_cases, rank_inputs
-from tests.multigpu.expectations import expected_refusal
+from tests.multigpu.expectations import INTERPRETED_MAX_WORLD_SIZE, expected_refusal
 from tests.multigpu.pool import RankFailure, import_test_backends
 from tests.multigpu.rank_inputs import CaseSpec
 
@@ -77,8 +78,18 @@ def run_checked(pool, spec: CaseSpec, faults: tuple[str, ...] = ()):
     return results
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("spec", list(backend_matrix()), ids=case_id)
+def suite_cases():
+    """(world size, case) for the layer matrix: every case at every world size, but the
+    interpreted Triton experts at world sizes up to ``INTERPRETED_MAX_WORLD_SIZE``."""
+    for spec in backend_matrix():
+        for world_size in WORLD_SIZES:
+            interpreted = spec.experts == "triton" and interpreting()
+            if interpreted and world_size > INTERPRETED_MAX_WORLD_SIZE:
+                continue
+            yield pytest.param(world_size, spec, id=f"{case_id(spec)}-{world_size}")
+
+
+@pytest.mark.parametrize(("world_size", "spec"), list(suite_cases()))
 def test_layer_matches_reference(pool_factory, world_size: int, spec: CaseSpec) -> None:
     check_layer_matches_reference(pool_factory(world_size), spec)
 
