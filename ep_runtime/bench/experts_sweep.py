@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ep_runtime import EPMoE, MoEConfig, reference_moe
-from ep_runtime.bench.layer import Point, copy_rate_bytes_per_ms, inputs, time_ms
+from ep_runtime import reference_moe
+from ep_runtime.bench.layer import Point, build_layer, copy_rate_bytes_per_ms, inputs, time_ms
 from ep_runtime.bench.timing import graph_replay_ms
 from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
@@ -78,22 +78,7 @@ def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
 
 def measure_layer(point: Point, experts: str, data, device: torch.device) -> dict:
     w13, w2, x, ids, weights = data
-    config = MoEConfig(
-        point.num_experts,
-        point.top_k,
-        point.hidden,
-        point.intermediate,
-        dtype=BF16,
-        max_tokens_per_rank=point.tokens,
-    )
-    layer = EPMoE(
-        config,
-        dispatcher="torch_a2a",
-        experts=experts,
-        layout=point.layout,
-        mode=point.mode,
-        device=device,
-    )
+    layer = build_layer(point, device, experts=experts)
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ep_runtime import EPMoE, MoEConfig
-from ep_runtime.bench.layer import Point, inputs, time_ms
+from ep_runtime import EPMoE
+from ep_runtime.bench.layer import Point, build_layer, inputs, time_ms
 from ep_runtime.bench.timing import graph_replay_ms
 from ep_runtime.kernels.layout import RowFormat
 from ep_runtime.quantization import dequantize_weight_blocks, quantize_weight_blocks
@@ -51,26 +51,6 @@ class Fp8Row:
     fp8_row_bytes: int
 
 
-def layer_for(point: Point, quantized: bool, experts: str, device: torch.device) -> EPMoE:
-    config = MoEConfig(
-        point.num_experts,
-        point.top_k,
-        point.hidden,
-        point.intermediate,
-        dtype=BF16,
-        max_tokens_per_rank=point.tokens,
-        quantization="fp8_block" if quantized else None,
-    )
-    return EPMoE(
-        config,
-        dispatcher="torch_a2a",
-        experts=experts,
-        layout=point.layout,
-        mode=point.mode,
-        device=device,
-    )
-
-
 def timed_forward(layer: EPMoE, x, ids, weights, graph: bool) -> tuple[torch.Tensor, float]:
     """``(output, ms)``: median of CUDA-graph replays (checked equal to eager) or of eager."""
     out = layer(x, ids, weights).clone()
@@ -87,14 +67,14 @@ def measure(point: Point, device: torch.device) -> Fp8Row:
     q2, s2 = quantize_weight_blocks(w2)
     del w13, w2
     graph = point.mode == "capacity"
-    fp8 = layer_for(point, True, "triton", device)
+    fp8 = build_layer(point, device, experts="triton", quantization="fp8_block")
     try:
         fp8.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
         out_fp8, fp8_ms = timed_forward(fp8, x, ids, weights, graph)
     finally:
         fp8.close()
     sample = torch.arange(0, point.tokens, max(1, point.tokens // SAMPLE), device=device)
-    twin = layer_for(point, True, "reference", device)
+    twin = build_layer(point, device, experts="reference", quantization="fp8_block")
     try:
         twin.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
         ref = twin(x[sample], ids[sample], weights[sample])
@@ -102,7 +82,7 @@ def measure(point: Point, device: torch.device) -> Fp8Row:
         twin.close()
     tolerance = tolerance_for(BF16, max(point.hidden, point.intermediate))
     comparison = compare_per_token(out_fp8[sample], ref.double(), tolerance)
-    bf16 = layer_for(point, False, "triton", device)
+    bf16 = build_layer(point, device, experts="triton")
     try:
         bf16.load_weights(
             dequantize_weight_blocks(q13, s13).to(BF16), dequantize_weight_blocks(q2, s2).to(BF16)

@@ -87,8 +87,14 @@ def inputs(point: Point, device: torch.device, seed: int = 0, dtype: torch.dtype
     return w13, w2, x, ids, weights
 
 
-def build_layer(point: Point, device: torch.device, dtype: torch.dtype = BF16) -> EPMoE:
-    """The layer of one point: ``torch_a2a`` + ``grouped_mm``, world size 1."""
+def build_layer(
+    point: Point,
+    device: torch.device,
+    dtype: torch.dtype = BF16,
+    experts: str = "grouped_mm",
+    quantization: str | None = None,
+) -> EPMoE:
+    """The layer of one point: ``torch_a2a`` + ``experts``, world size 1."""
     config = MoEConfig(
         point.num_experts,
         point.top_k,
@@ -96,11 +102,12 @@ def build_layer(point: Point, device: torch.device, dtype: torch.dtype = BF16) -
         point.intermediate,
         dtype=dtype,
         max_tokens_per_rank=point.tokens,
+        quantization=quantization,
     )
     return EPMoE(
         config,
         dispatcher="torch_a2a",
-        experts="grouped_mm",
+        experts=experts,
         layout=point.layout,
         mode=point.mode,
         device=device,
