@@ -30,10 +30,17 @@ Imitated (each with its source):
   the source with ``allow_multiple_reduction=False``: combine.cuh:216-224;
   buffer.hpp combine asserts bf16 and ``topk_weights`` absent in the expanded layout;
   combine.cuh static_asserts ``hidden % 256 == 0`` (its JIT compile fails otherwise).
+- fp8 dispatch: ``x`` is the pair ``(e4m3 [T, H], sf [T, S])`` with 4-byte scale packs
+  (fp32 here), moved as they are and handed back as the same pair (elastic.py dispatch
+  docstring "recv_x: the same type and tuple as the input"; buffer.hpp asserts
+  ``sf->element_size() == sizeof(sf_pack_t)`` and writes ``recv_sf`` row-major ``[R, S]`` without
+  ``use_tma_aligned_col_major_sf``); the buffer must be built with ``use_fp8_dispatch=True``
+  (its size counts the scales). Uninitialised rows hold all-ones bytes here: NaN in bf16, e4m3
+  and fp32 alike.
 - zero tokens on a rank: not imitated (DeepEP's test_ep.py always dispatches >= 1 token).
 
-Not imitated (refused): fp8 dispatch, ``allow_multiple_reduction=True``, cached handles, bias,
-SM auto-detection (``num_sms=0``; DeepEP: it falls to 4 SMs in containers).
+Not imitated (refused): ``allow_multiple_reduction=True``, cached handles, bias, the TMA-aligned
+scale layout, SM auto-detection (``num_sms=0``; DeepEP: it falls to 4 SMs in containers).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from ep_runtime.dispatch.setup import DispatchSetup
 
 topk_idx_t = torch.int64  # deep_ep.topk_idx_t's default width (DeepEP)
 INVALID_LOCAL_ID = 0  # what "uninitialised" id rows hold here: a valid-looking local expert
+UNINITIALISED_BYTE = 0xFF  # what "uninitialised" row bytes hold here: NaN in bf16, e4m3, fp32
 
 
 def _align(value: int, alignment: int) -> int:
@@ -116,10 +124,9 @@ class ImitationElasticBuffer:
     ) -> None:
         self.constructor_kwargs = dict(locals())
         del self.constructor_kwargs["self"], self.constructor_kwargs["group"]
-        if use_fp8_dispatch or allow_multiple_reduction:
-            raise NotImplementedError(
-                "imitated: bf16 dispatch with allow_multiple_reduction=False only"
-            )
+        if allow_multiple_reduction:
+            raise NotImplementedError("imitated: allow_multiple_reduction=False only")
+        self.use_fp8_dispatch = use_fp8_dispatch
         cpu = torch.device("cpu")
         self.comm = SingleRankComm(cpu) if group is None else Comm.create(group, cpu)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -175,16 +182,23 @@ class ImitationElasticBuffer:
         use_tma_aligned_col_major_sf: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, ImitationHandle, ImitationEvent]:
         self._check_open()
-        if handle is not None or num_sms == 0 or isinstance(x, tuple):
-            raise NotImplementedError("not imitated: cached handles, num_sms=0, fp8 input")
+        if handle is not None or num_sms == 0 or use_tma_aligned_col_major_sf:
+            raise NotImplementedError("not imitated: cached handles, num_sms=0, TMA-aligned sf")
         if topk_idx is None or topk_weights is None or num_experts is None:
             raise NotImplementedError("imitated: topk_idx, topk_weights and num_experts given")
         max_tokens = num_max_tokens_per_rank or self.num_max_tokens_per_rank
         alignment = expert_alignment or 1
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        x, sf = x if isinstance(x, tuple) else (x, None)
         num_tokens, hidden = x.shape
         top_k = topk_idx.size(1)
-        assert x.dtype == torch.bfloat16 and x.is_contiguous(), "x: contiguous bf16"
+        if sf is None:
+            assert x.dtype == torch.bfloat16 and x.is_contiguous(), "x: contiguous bf16"
+        else:
+            assert self.use_fp8_dispatch, "fp8 input needs a buffer built with use_fp8_dispatch"
+            assert x.dtype == torch.float8_e4m3fn and x.is_contiguous(), "x: contiguous e4m3"
+            assert sf.dim() == 2 and sf.size(0) == num_tokens and sf.element_size() == 4, "sf"
+        payload = _payload(x, sf)  # [T, bytes] every byte a row carries
         assert hidden == self.hidden and top_k <= self.num_topk, "buffer sized for hidden/top-k"
         assert topk_idx.dtype == self.topk_idx_dtype, f"topk_idx must be {self.topk_idx_dtype}"
         assert topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape
@@ -201,7 +215,7 @@ class ImitationElasticBuffer:
         send_counts = goes_to[:, :world].sum(0).tolist()
         source_index = rank * max_tokens + tokens  # the "global index" in recv_src_metadata
         recv_x, recv_ids, recv_weights, recv_source, recv_counts = self._exchange(
-            [x[tokens], ids[tokens], topk_weights[tokens], source_index], send_counts
+            [payload[tokens], ids[tokens], topk_weights[tokens], source_index], send_counts
         )
         # order within a source rank is unspecified: reverse it
         order = torch.cat(
@@ -236,7 +250,7 @@ class ImitationElasticBuffer:
         psum_rank = recv_counts.cumsum(0).to(torch.int32)
         nan = float("nan")
         if not do_expand:
-            out_x = torch.full((allocated, hidden), nan, dtype=torch.bfloat16)
+            out_x = _uninitialised(allocated, recv_x)
             out_x[:num_recv] = recv_x
             out_ids = torch.full((allocated, top_k), INVALID_LOCAL_ID, dtype=self.topk_idx_dtype)
             out_ids[:num_recv] = local_ids.to(self.topk_idx_dtype)
@@ -257,7 +271,7 @@ class ImitationElasticBuffer:
             else:
                 num_expanded = world * max_tokens * min(top_k, num_local)
                 num_expanded = _align(num_expanded + (alignment - 1) * num_local, alignment)
-            out_x = torch.full((num_expanded, hidden), nan, dtype=torch.bfloat16)
+            out_x = _uninitialised(num_expanded, recv_x)
             out_weights = torch.full((num_expanded,), nan, dtype=torch.float32)
             next_row = list(starts)
             rows_list, tokens_list, ranks_list = [], [], []
@@ -307,7 +321,7 @@ class ImitationElasticBuffer:
             return_tokens=return_tokens,
             num_allocated_rows=out_x.size(0),
         )
-        return out_x, out_ids, out_weights, handle, ImitationEvent()
+        return _unpayload(out_x, x, sf), out_ids, out_weights, handle, ImitationEvent()
 
     # ----------------------------------------------------------------- combine
     def combine(
@@ -339,6 +353,29 @@ class ImitationElasticBuffer:
         total = torch.zeros(num_tokens, x.size(1), dtype=torch.float32)
         total.index_add_(0, tokens, rows.float())
         return total.to(torch.bfloat16), None, ImitationEvent()
+
+
+def _payload(x: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
+    """``[T, bytes]`` uint8: a row's values, then its scale packs under fp8."""
+    parts = [x.contiguous().view(torch.uint8)]
+    if sf is not None:
+        parts.append(sf.contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=1)
+
+
+def _uninitialised(rows: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((rows, like.size(1)), UNINITIALISED_BYTE, dtype=torch.uint8)
+
+
+def _unpayload(
+    rows: torch.Tensor, x: torch.Tensor, sf: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Received payload rows back in the input's type: ``x``'s dtype, or the ``(x, sf)`` pair."""
+    value_bytes = x.size(1) * x.element_size()
+    values = rows[:, :value_bytes].contiguous().view(x.dtype)
+    if sf is None:
+        return values
+    return values, rows[:, value_bytes:].contiguous().view(sf.dtype)
 
 
 def imitation_library(topk_idx_dtype: torch.dtype = topk_idx_t) -> DeepEPLibrary:

@@ -40,7 +40,7 @@ from tests.deepep_imitation import (
     imitation_library,
     register_imitation,
 )
-from tests.multigpu import checks, deepep_cases, dispatch_cases, rank_inputs
+from tests.multigpu import checks, deepep_cases, dispatch_cases, fp8_cases, rank_inputs
 from tests.multigpu.conftest import get_pool
 from tests.multigpu.deepep_cases import HIDDEN
 from tests.multigpu.rank_inputs import CaseSpec
@@ -112,6 +112,40 @@ def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
     spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
     pool = imitation_pool(world_size)
     assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_dispatch_moves_the_senders_quantized_rows(imitation_pool, world_size, mode, layout):
+    """fp8 weights: the rows arrive as the sender's ``q(x)`` (e4m3 bits and fp32 scales)."""
+    spec = CaseSpec(
+        dispatcher=IMITATION,
+        layout=layout,
+        mode=mode,
+        tokens=(9, 5)[:world_size],
+        intermediate=128,
+        quantization="fp8_block",
+    )
+    pool = imitation_pool(world_size)
+    assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_layer_matches_the_oracle(imitation_pool, world_size, mode, layout):
+    """The fp8 layer over the adapter's fp8 dispatch against the fp64 oracle of the contract."""
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, **fp8_cases.FP8_SHAPES)
+    checks.assert_all_pass(imitation_pool(world_size).run_ok(fp8_cases.run_fp8_case, spec))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_poison_mode_matches_clean_run(imitation_pool, layout):
+    """fp8 dispatch in poison mode: NaN scales in the rows that hold no token never leak."""
+    pool = imitation_pool(2)
+    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode="capacity", **fp8_cases.FP8_SHAPES)
+    checks.assert_poison_matches_clean(partial(pool.run_ok, fp8_cases.run_fp8_case), spec)
 
 
 @pytest.mark.parametrize("mode", MODES)

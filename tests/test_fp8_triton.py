@@ -44,7 +44,7 @@ def quantize_on_device(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.to(DEVICE)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=DEVICE)
     s = torch.empty(x.size(0), x.size(1) // 128, dtype=torch.float32, device=DEVICE)
-    fp8_quant.quantize_rows(x, q, s)
+    fp8_quant.triton_quantize_rows(x, q, s)
     return q.cpu(), s.cpu()
 
 

@@ -11,6 +11,9 @@ What DeepEP hands back, and what this adapter makes of it:
 - EXPANDED (``do_expand=True``): no ids, 1-D weights, rows grouped by local expert and padded to
   ``expert_alignment`` -> ``[N, 1]`` global ids from the group offsets (``searchsorted``); the valid
   bound is ``psum_num_recv_tokens_per_expert[-1]``.
+- fp8 block-scaled experts: the rows go as the contract's ``q(x)`` (e4m3 and one fp32 scale per
+  128 columns, quantized here by the ops' ``quantize_rows``), DeepEP's ``(x, sf)`` pair with
+  ``use_fp8_dispatch=True``, and arrive as ``Dispatched.hidden_states_scale``; combine stays bf16.
 - exact mode: ``do_cpu_sync=True`` (exact sizes), a buffer of the user's ``max_tokens_per_rank``
   or ``EXACT_BUFFER_TOKENS`` without one, declared as the layer's bound per round. capacity
   mode: ``do_cpu_sync=False``, worst-case sizes, ``num_max_tokens_per_rank`` rounded up to a
@@ -43,6 +46,7 @@ from ep_runtime.dispatch.nccl_probe import mapped_libnccl_paths, probe_library
 from ep_runtime.dispatch.protocol import Agreed
 from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
 from ep_runtime.kernels import Route
+from ep_runtime.quantization import BLOCK, FP8_DTYPE
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 EXACT_BUFFER_TOKENS = 4096  # exact mode without the user's bound: tokens per rank per round
@@ -168,7 +172,8 @@ def next_power_of_two(value: int) -> int:
 class DeepEPPacked:
     """This rank's rows, with ids cleaned by the route."""
 
-    x: torch.Tensor  # [T, H] bf16
+    x: torch.Tensor  # [T, H] bf16, or e4m3 q(x) with fp8 dispatch
+    scale: torch.Tensor | None  # [T, H/128] fp32 scales of q(x) (fp8 dispatch), else None
     topk_ids: torch.Tensor  # [T, K] int32 global ids, -1 = unused (invalid ones dropped)
     topk_weights: torch.Tensor  # [T, K] float
 
@@ -247,6 +252,7 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
             assert cap is not None  # capacity mode always has its cap
             self.buffer_tokens = next_power_of_two(cap)
         self.num_sms = default_num_sms(setup.device)
+        self.fp8_dispatch = setup.quantization is not None
         if self.comm.group is not None:  # torch creates communicators lazily: warm the group
             dist.all_reduce(torch.zeros(1, device=self.comm.device), group=self.comm.group)
         self.gin = prepare_gin(self.comm)
@@ -255,6 +261,7 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
             num_max_tokens_per_rank=self.buffer_tokens,
             hidden=setup.hidden_size,
             num_topk=setup.max_top_k,
+            use_fp8_dispatch=self.fp8_dispatch,
             # the deterministic receive order sorts with boolean masks (a host sync): exact only
             deterministic=exact,
             allow_hybrid_mode=False,
@@ -268,14 +275,32 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
 
     # ----------------------------------------------------------------- dispatch
     def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> DeepEPPacked:
-        return DeepEPPacked(x, route.ids, topk_weights)
+        """The rows as they go: bf16, or ``q(x)`` with fp8 dispatch."""
+        if not self.fp8_dispatch:
+            return DeepEPPacked(x, None, route.ids, topk_weights)
+        num_tokens, hidden = x.shape
+        q = torch.empty(num_tokens, hidden, dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty(num_tokens, hidden // BLOCK, dtype=torch.float32, device=x.device)
+        self.ops.quantize_rows(x.contiguous(), q, scale)
+        return DeepEPPacked(q, scale, route.ids, topk_weights)
+
+    def _rows(self, packed: DeepEPPacked) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """DeepEP's ``x``: at least one row (an empty rank sends one zero row routed nowhere),
+        with its scales as the ``(e4m3, sf)`` pair under fp8 dispatch."""
+        hidden = self.setup.hidden_size
+        if packed.x.size(0):
+            rows, scale = packed.x.contiguous(), packed.scale
+        else:
+            rows = torch.zeros(1, hidden, dtype=packed.x.dtype, device=packed.x.device)
+            scale = None if packed.scale is None else packed.scale.new_ones(1, hidden // BLOCK)
+        return rows if scale is None else (rows, scale)
 
     def _exchange_dispatch(
         self, packed: DeepEPPacked, agreed: Agreed, layout: TopkLayout
     ) -> tuple[Dispatched, DeepEPHandle]:
         """Hand the rows to DeepEP: ids in ``topk_idx_t`` padded to the buffer's top-k with -1
         (one JIT variant), weights zero on unused slots, at least one row (DeepEP's own tests
-        never dispatch zero tokens: an empty rank sends one row routed nowhere)."""
+        never dispatch zero tokens)."""
         top_k = agreed.top_k
         num_tokens, own_k = packed.topk_ids.shape
         num_rows, max_k, device = max(num_tokens, 1), self.setup.max_top_k, packed.x.device
@@ -285,11 +310,8 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
         weights[:num_tokens, :own_k] = torch.where(
             packed.topk_ids >= 0, packed.topk_weights.float(), 0.0
         )
-        rows = (
-            packed.x.contiguous() if num_tokens else packed.x.new_zeros(1, self.setup.hidden_size)
-        )
         recv_x, recv_ids, recv_weights, buffer_handle, _ = self.buffer.dispatch(
-            rows,
+            self._rows(packed),
             topk_idx=ids,
             topk_weights=weights,
             num_experts=self.setup.num_experts,
@@ -300,60 +322,72 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
             do_expand=layout is TopkLayout.EXPANDED,
         )
         handle = DeepEPHandle(buffer_handle, num_tokens)
+        recv_x, recv_scale = recv_x if self.fp8_dispatch else (recv_x, None)
         if layout is TopkLayout.STANDARD:
-            hidden, global_ids, row_weights = self._standard(
-                recv_x, recv_ids[:, :top_k], recv_weights[:, :top_k], buffer_handle
+            global_ids, row_weights, valid = self._standard(
+                recv_ids[:, :top_k], recv_weights[:, :top_k], buffer_handle
             )
-            return Dispatched(hidden, global_ids, row_weights, layout, None), handle
-        hidden, global_ids, row_weights, offsets = self._expanded(
-            recv_x, recv_weights, buffer_handle
+            offsets = None
+        else:
+            global_ids, row_weights, valid, offsets = self._expanded(recv_weights, buffer_handle)
+        hidden, scale = self._poisoned(recv_x, recv_scale, valid)
+        dispatched = Dispatched(
+            hidden, global_ids, row_weights, layout, offsets, hidden_states_scale=scale
         )
-        return Dispatched(hidden, global_ids, row_weights, layout, offsets), handle
+        return dispatched, handle
 
     def _filler(self) -> float:
         return float("nan") if self.setup.poison else 0.0
 
     def _standard(
         self,
-        hidden: torch.Tensor,  # [R, H]
         local_ids: torch.Tensor,  # [R, K] local ids, -1 = another rank's expert
         weights: torch.Tensor,  # [R, K] float32
         buffer_handle: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(hidden [R, H], global ids [R, K] int32, weights [R, K])``; rows past DeepEP's valid
-        count (uninitialised) become padding."""
-        num_rows = hidden.size(0)
+        """``(global ids [R, K] int32, weights [R, K], valid rows [R])``; rows past DeepEP's
+        valid count (uninitialised) become padding."""
+        num_rows = local_ids.size(0)
         valid_rows = buffer_handle.psum_num_recv_tokens_per_scaleup_rank[-1]  # 0-d
-        row_valid = torch.arange(num_rows, device=hidden.device) < valid_rows  # [R]
+        row_valid = torch.arange(num_rows, device=local_ids.device) < valid_rows  # [R]
         served = (local_ids >= 0) & row_valid.unsqueeze(1)  # [R, K]
         global_ids = self.local.to_global(local_ids, served)
         weights = torch.where(served, weights.float(), self._filler())
-        if self.setup.poison:
-            hidden = torch.where(row_valid.unsqueeze(1), hidden, float("nan"))
-        return hidden, global_ids, weights
+        return global_ids, weights, row_valid
 
     def _expanded(
         self,
-        hidden: torch.Tensor,  # [N, H] grouped by local expert, groups aligned
-        weights: torch.Tensor,  # [N] float32
+        weights: torch.Tensor,  # [N] float32, rows grouped by local expert, groups aligned
         buffer_handle: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(hidden [N, H], ids [N, 1] int32, weights [N, 1], offsets [L + 1] int32)``. Ids come
-        from the group offsets: ``psum[i]`` is expert i's aligned start plus its unaligned count
-        (DeepEP's ``EPHandle`` docstring), no host sync."""
+        """``(ids [N, 1] int32, weights [N, 1], valid rows [N], offsets [L + 1] int32)``. Ids
+        come from the group offsets: ``psum[i]`` is expert i's aligned start plus its unaligned
+        count (DeepEP's ``EPHandle`` docstring), no host sync."""
         psum = buffer_handle.psum_num_recv_tokens_per_expert.to(torch.int64)  # [L]
         alignment = self.expert_alignment
         aligned_ends = (psum + alignment - 1) // alignment * alignment
         starts = torch.cat([psum.new_zeros(1), aligned_ends[:-1]])  # [L] group starts
-        rows = torch.arange(hidden.size(0), device=hidden.device)
+        rows = torch.arange(weights.size(0), device=weights.device)
         expert = torch.searchsorted(starts, rows, right=True) - 1  # [N] in [0, L)
         valid = rows < psum[expert]  # past a group's count: alignment padding or unused rows
         ids = self.local.to_global(expert, valid)
         weights = torch.where(valid, weights.float(), self._filler())
-        if self.setup.poison:
-            hidden = torch.where(valid.unsqueeze(1), hidden, float("nan"))
         offsets = torch.cat([starts, psum[-1:]]).to(torch.int32)  # [L + 1], last = valid bound
-        return hidden, ids.unsqueeze(1), weights.unsqueeze(1), offsets
+        return ids.unsqueeze(1), weights.unsqueeze(1), valid, offsets
+
+    def _poisoned(
+        self,
+        hidden: torch.Tensor,  # [R, H] bf16 or e4m3
+        scale: torch.Tensor | None,  # [R, H/128] fp32 (fp8 dispatch)
+        valid: torch.Tensor,  # [R] bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """In poison mode, NaN in the rows that hold no token: in the scales under fp8 dispatch
+        (an e4m3 row times a NaN scale is NaN), else in the rows."""
+        if not self.setup.poison:
+            return hidden, scale
+        if scale is not None:
+            return hidden, torch.where(valid.unsqueeze(1), scale, float("nan"))
+        return torch.where(valid.unsqueeze(1), hidden, float("nan")), None
 
     # ----------------------------------------------------------------- combine
     def _exchange_combine(

@@ -201,7 +201,7 @@ class TritonExperts(Experts):
         rows = hidden.size(0)
         q = self._buffer("x_q", rows, self.hidden, FP8_DTYPE)
         s = self._buffer("x_s", rows, self.hidden // BLOCK, torch.float32)
-        return self._quant.quantize_rows(hidden, q, s)
+        return self._quant.triton_quantize_rows(hidden, q, s)
 
     def _up(
         self,

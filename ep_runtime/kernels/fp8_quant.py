@@ -4,8 +4,9 @@
 Per token and per 128 consecutive columns: ``s = max(amax, 1e-10) / 448`` (fp32, correctly
 rounded division), ``q = clamp(x / s, ±448)`` rounded to e4m3 (nearest even). The device
 helpers here are shared by the fp8 pack kernel (``kernels/pack.py``) and GEMM1's epilogue
-(``kernels/expert_gemm_fp8.py``); ``quantize_rows`` is the standalone kernel (bf16 rows that
-arrive unquantized). Bitwise equal to the spec: the divisions are ``div_rn`` and the cast is
+(``kernels/expert_gemm_fp8.py``); ``triton_quantize_rows`` is the standalone kernel (rows that
+arrive unquantized, and the rows a dispatcher sends as ``q(x)``), ``torch_quantize_rows`` its
+twin. Bitwise equal to the spec: the divisions are ``div_rn`` and the cast is
 round-to-nearest-even, done on the bits under the interpreter (whose cast rounds ties up and
 flushes subnormals).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ep_runtime.kernels.triton_common import INTERPRET, jit, pow2, tl, triton
-from ep_runtime.quantization import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from ep_runtime.quantization import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, quantize_activations
 
 MAX_GROUPS = 16  # groups of 128 columns one program quantizes (2048 columns)
 
@@ -73,12 +74,25 @@ def _quantize_kernel(
     tl.store(s + row * stride_s + g, scale, mask=ok)
 
 
-def quantize_rows(
+def torch_quantize_rows(
+    x: torch.Tensor,  # [N, K] compute dtype, K a multiple of 128
+    q: torch.Tensor,  # [N, K] e4m3 out
+    s: torch.Tensor,  # [N, K/128] fp32 out
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec: ``quantize_activations(x)`` written into ``(q, s)``."""
+    if x.size(0):
+        values, scales = quantize_activations(x)
+        q.copy_(values)
+        s.copy_(scales)
+    return q, s
+
+
+def triton_quantize_rows(
     x: torch.Tensor,  # [N, K] compute dtype (rows may be strided), K a multiple of 128
     q: torch.Tensor,  # [N, K] e4m3 out
     s: torch.Tensor,  # [N, K/128] fp32 out
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_activations(x)`` written into ``(q, s)``, one launch."""
+    """``torch_quantize_rows`` as one launch, bitwise equal."""
     rows, cols = x.shape
     assert cols % BLOCK == 0 and x.stride(1) == 1 and q.dtype == FP8_DTYPE
     num_groups = cols // BLOCK

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from ep_runtime.kernels import activation, group, headers, pack, route
+from ep_runtime.kernels import activation, fp8_quant, group, headers, pack, route
 from ep_runtime.kernels import local_ids as local_ids_op
 from ep_runtime.kernels import sum_rows as sum_rows_op
 from ep_runtime.kernels.layout import ChunkLayout, RowFormat
@@ -55,6 +55,13 @@ class KernelOps(Protocol):
         *,
         poison: bool = False,
     ) -> None: ...
+
+    def quantize_rows(
+        self,
+        x: torch.Tensor,  # [N, H] compute dtype, H a multiple of 128
+        q: torch.Tensor,  # [N, H] e4m3 out
+        s: torch.Tensor,  # [N, H/128] fp32 out
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def local_ids(
         self, topk_ids: torch.Tensor, *, local_offset: int, num_local: int
@@ -117,6 +124,7 @@ class TorchOps:
     name = "torch"
     route_tokens = staticmethod(route.torch_route_tokens)
     pack_rows = staticmethod(pack.torch_pack_rows)
+    quantize_rows = staticmethod(fp8_quant.torch_quantize_rows)
     local_ids = staticmethod(local_ids_op.torch_local_ids)
     group_rows = staticmethod(group.torch_group_rows)
     weighted_activation = staticmethod(activation.torch_weighted_activation)
@@ -132,6 +140,7 @@ class TritonOps:
     name = "triton"
     route_tokens = staticmethod(route.triton_route_tokens)
     pack_rows = staticmethod(pack.triton_pack_rows)
+    quantize_rows = staticmethod(fp8_quant.triton_quantize_rows)
     local_ids = staticmethod(local_ids_op.triton_local_ids)
     group_rows = staticmethod(group.triton_group_rows)
     weighted_activation = staticmethod(activation.triton_weighted_activation)

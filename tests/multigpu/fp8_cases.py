@@ -38,6 +38,7 @@ def build_fp8_layer(spec: CaseSpec, config: MoEConfig | None = None) -> EPMoE:
         mode=spec.mode,
         max_tokens_per_rank=spec.cap,
         device=device(),
+        poison=spec.poison,
     )
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.comm import default_device
+from ep_runtime.quantization import quantize_weight_blocks
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class CaseSpec:
     seed: int = 0
     poison: bool = False
     idle_k: int | None = None  # K of the ids a rank with no tokens passes; None = k
+    quantization: str | None = None  # "fp8_block": e4m3 weights, rows dispatched as q(x)
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -42,6 +44,7 @@ class CaseSpec:
             activation=self.activation,
             dtype=self.dtype,
             max_tokens_per_rank=self.cap,
+            quantization=self.quantization,
         )
 
     def tokens_for(self, rank: int) -> int:
@@ -125,7 +128,11 @@ def build_layer(spec: CaseSpec) -> EPMoE:
         poison=spec.poison,
     )
     w13, w2 = make_weights(spec)
-    layer.load_weights(w13, w2)
+    if spec.quantization is None:
+        layer.load_weights(w13, w2)
+    else:
+        (q13, s13), (q2, s2) = quantize_weight_blocks(w13), quantize_weight_blocks(w2)
+        layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
     return layer
 
 

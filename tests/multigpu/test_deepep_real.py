@@ -15,7 +15,15 @@ import torch
 
 from ep_runtime.dispatch.deepep_v2 import deep_ep_problems
 from ep_runtime.dispatch.nccl_probe import probe_library
-from tests.multigpu import deepep_cases, dispatch_cases, fault_cases, layer_cases, rank_inputs
+from tests.multigpu import (
+    checks,
+    deepep_cases,
+    dispatch_cases,
+    fault_cases,
+    fp8_cases,
+    layer_cases,
+    rank_inputs,
+)
 from tests.multigpu.rank_inputs import CaseSpec
 
 CASE_TIMEOUT_S = 600.0
@@ -108,6 +116,38 @@ def test_dispatch_is_bitwise(nccl_pool, world_size, mode, layout):
         deepep_cases.check_dispatch_bitwise_any_order, spec, timeout_s=CASE_TIMEOUT_S
     )
     assert sum(counts) > 0
+
+
+@pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+def test_fp8_dispatch_moves_the_senders_quantized_rows(nccl_pool, world_size, mode, layout):
+    """fp8 weights: DeepEP moves the ``(e4m3, scales)`` pair; rows arrive as the sender's q(x)."""
+    spec = CaseSpec(
+        dispatcher="deepep_v2",
+        layout=layout,
+        mode=mode,
+        intermediate=128,
+        quantization="fp8_block",
+    )
+    counts = nccl_pool(world_size).run_ok(
+        deepep_cases.check_dispatch_bitwise_any_order, spec, timeout_s=CASE_TIMEOUT_S
+    )
+    assert sum(counts) > 0
+
+
+@pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", ["standard", "expanded"])
+@pytest.mark.parametrize("experts", ["reference", "triton"])
+def test_fp8_layer_matches_the_oracle(nccl_pool, world_size, mode, layout, experts):
+    """The fp8 layer over DeepEP's fp8 dispatch against the fp64 oracle of the contract."""
+    spec = CaseSpec(
+        dispatcher="deepep_v2", experts=experts, layout=layout, mode=mode, **fp8_cases.FP8_SHAPES
+    )
+    results = nccl_pool(world_size).run_ok(fp8_cases.run_fp8_case, spec, timeout_s=CASE_TIMEOUT_S)
+    assert {r.dispatcher for r in results} == {"deepep_v2"}
+    checks.assert_all_pass(results)
 
 
 @pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
