@@ -211,3 +211,50 @@ def test_bad_generation_arguments_are_named() -> None:
         greedy_generate(model, report, [1, 2], -1)
     with pytest.raises(EPInputError, match=r"^prompt: expected a 1-D sequence"):
         greedy_generate(model, report, [[1, 2]], 3)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(cuda_graph_tokens=0), r"^cuda_graph_tokens: expected an int >= 1.*given 0"),
+        (dict(cuda_graph_tokens=8), r"^cuda_graph_tokens: expected mode='capacity'.*'exact'"),
+        (
+            dict(cuda_graph_tokens=8, mode="capacity"),
+            r"^cuda_graph_tokens: expected a CUDA device, given device=cpu",
+        ),
+    ],
+    ids=["zero", "exact_mode", "cpu"],
+)
+def test_cuda_graph_option_is_refused_where_it_cannot_run(options, message) -> None:
+    """Refused before any layer is built, naming the option, what it needs and what it got."""
+    model = build_random_model(random_config("qwen3-moe"), seed=1)
+    with pytest.raises(EPInputError, match=message):
+        patch_moe_blocks(model, dispatcher="torch_a2a", **options)
+    assert not any(isinstance(m, EPMoEBlock) for m in model.modules())
+
+
+def test_cuda_graph_option_refuses_more_tokens_than_the_cap() -> None:
+    model = build_random_model(random_config("qwen3-moe"), seed=1)
+    with pytest.raises(EPInputError, match=r"^cuda_graph_tokens: expected <= max_tokens_per_rank"):
+        patch_moe_blocks(
+            model, mode="capacity", max_tokens_per_rank=4, cuda_graph_tokens=8, device="cuda"
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+@pytest.mark.parametrize("arch", ["qwen3-moe", "deepseek-v3"])
+def test_cuda_graph_decode_equals_the_eager_decode_bitwise(arch: str) -> None:
+    """The blocks' decode forwards replayed as CUDA graphs give the eager run's logits bit for
+    bit (same kernels, same buffers), step after step, and one graph per block is captured."""
+    reference = build_random_model(random_config(arch), seed=1, dtype=torch.bfloat16).cuda()
+    options = dict(dispatcher="torch_a2a", mode="capacity", max_tokens_per_rank=16)
+    eager, graphed = copy.deepcopy(reference), copy.deepcopy(reference)
+    eager_report = patch_moe_blocks(eager, **options)
+    graph_report = patch_moe_blocks(graphed, cuda_graph_tokens=1, **options)
+    prompt = [7, 100, 3, 42, 9]
+    expected = greedy_generate(eager, eager_report, prompt, 6, time_moe=False)
+    got = greedy_generate(graphed, graph_report, prompt, 6, time_moe=False)
+    assert got.tokens == expected.tokens
+    assert torch.equal(got.logits, expected.logits)
+    for block in graph_report.blocks:  # the prompt ran eager (5 tokens > 1), decode replayed
+        assert block.module.graphs.captured_token_counts == [1]

@@ -8,7 +8,10 @@ patched (its MoE blocks become EP blocks) and timed again, twice: with every lay
 its default (the row "ep_runtime defaults": what a user of ``patch_moe_blocks(model)`` gets)
 and with ``max_tokens_per_rank`` tuned to the workload (the row "ep_runtime tuned:
 max_tokens_per_rank=N", N from ``--tuned-max-tokens``, default the prefill's tokens; 0 skips
-it), on a model rebuilt from the same seed. Prefill: ``--prefill-batch`` prompts
+it), on a model rebuilt from the same seed; on CUDA also a decode-only row "ep_runtime
+capacity + CUDA graphs" (capacity mode with the decode batch as its cap, each block's decode
+forward replayed as a CUDA graph: ``patch_moe_blocks(..., cuda_graph_tokens=B)``; ``--no-graphs``
+skips it). Prefill: ``--prefill-batch`` prompts
 of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
 with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
 medians over ``--iters`` (after ``--warmup``), device-synchronised.
@@ -120,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="max_tokens_per_rank of the tuned row (default: max(prefill tokens, decode "
         "batch), what a tuned run passes; 0: no tuned row)",
     )
+    parser.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="skip the decode row with the blocks' CUDA graphs (CUDA only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -176,12 +184,14 @@ def median_seconds(run: Callable[[], object], device: torch.device, iters: int, 
     return statistics.median(times)
 
 
-def measure(model, args, device: torch.device, prompts: torch.Tensor, decode_state) -> dict:
-    """Prefill and decode times of ``model`` as it is now; returns seconds and the prefill
-    logits (last token of each prompt)."""
+def measure(
+    model, args, device: torch.device, prompts: torch.Tensor, decode_state, prefill: bool = True
+) -> dict:
+    """Prefill (unless ``prefill`` is False) and decode times of ``model`` as it is now; returns
+    seconds and the prefill logits (last token of each prompt), None for a phase not run."""
     context_cache, next_tokens = decode_state
 
-    def prefill() -> torch.Tensor:
+    def run_prefill() -> torch.Tensor:
         return model(input_ids=prompts, use_cache=False, logits_to_keep=1).logits
 
     def decode() -> None:
@@ -192,9 +202,11 @@ def measure(model, args, device: torch.device, prompts: torch.Tensor, decode_sta
             cache = out.cache
             tokens = out.logits[:, -1:].argmax(-1)
 
+    logits = prefill_s = None
     with torch.no_grad():
-        logits = prefill()[:, -1].float().cpu()  # [B, V]
-        prefill_s = median_seconds(prefill, device, args.iters, args.warmup)
+        if prefill:
+            logits = run_prefill()[:, -1].float().cpu()  # [B, V]
+            prefill_s = median_seconds(run_prefill, device, args.iters, args.warmup)
         decode_s = median_seconds(decode, device, args.iters, args.warmup)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "logits": logits}
 
@@ -245,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     settings: list[tuple[str, dict]] = [("defaults", {})]
     if tuned > 0:
         settings.append((f"tuned: max_tokens_per_rank={tuned}", {"max_tokens_per_rank": tuned}))
+    batch = args.decode_batch
+    if device.type == "cuda" and not args.no_graphs:
+        graphs = {"mode": "capacity", "max_tokens_per_rank": batch, "cuda_graph_tokens": batch}
+        settings.append((f"capacity + CUDA graphs (cap {batch}, decode only)", graphs))
     choices: dict[str, str] = {}
     ours: list[str] = []
     for index, (label, options) in enumerate(settings):
@@ -254,12 +270,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             torch.manual_seed(args.seed)
             model = build_model(args, device, dtype)
+        options = {"mode": args.mode, **options}
         report = patch_moe_blocks(
-            model, dispatcher=args.dispatcher, experts=args.experts, mode=args.mode, **options
+            model, dispatcher=args.dispatcher, experts=args.experts, **options
         )
         choice = report.choice.splitlines()[0].replace("dispatcher=", "").replace("experts=", "")
         name = f"ep_runtime {label} ({choice})"
-        results[name] = measure(model, args, device, prompts, decode_state)
+        prefill = "cuda_graph_tokens" not in options  # the graphs' cap is the decode batch
+        results[name] = measure(model, args, device, prompts, decode_state, prefill)
         choices[label] = report.choice
         ours.append(name)
 
@@ -285,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         base_s = results[baseline_name][f"{phase}_s"]
         for name, result in results.items():
             seconds = result[f"{phase}_s"]
+            if seconds is None:
+                continue
             row = {
                 "phase": phase,
                 "moe_blocks": name,
@@ -310,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     agreements = {}
     for name in ours:
+        if results[name]["logits"] is None:
+            continue
         agreement = compare_per_token(
             results[name]["logits"], results[baseline_name]["logits"], tolerance
         )
@@ -333,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if reference_logits is not None:
         fp32_distance = {}
         for name, result in results.items():
+            if result["logits"] is None:
+                continue
             distance = compare_per_token(result["logits"], reference_logits, tolerance)
             fp32_distance[name] = distance.max_relative_error
             console.print(

@@ -17,7 +17,8 @@ tokens, in layer order.
 Needs the ``hf`` extra (``transformers``); written and tested against transformers 5.24.
 
 One job a module: ``architectures`` (the supported blocks, their router readers), ``patching``
-(``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``generation``
+(``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``graphs`` (the blocks' decode
+forwards as CUDA graphs, ``cuda_graph_tokens``), ``generation``
 (``greedy_generate``, ``MoEClock``), ``models`` (random tiny models, among them FP8 experts,
 ``load_model``, ``eos_ids``; the only one that imports ``transformers``) and ``fp8`` (whether an
 unpatched model's FP8 experts run here, the contract's math as their forward where they do not).

@@ -22,6 +22,7 @@ from ep_runtime.integrations.transformers.architectures import (
     UnsupportedMoEBlockError,
     architecture_of,
 )
+from ep_runtime.integrations.transformers.graphs import BlockGraphs, check_graph_option
 from ep_runtime.layer import EPMoE
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Quantization
 from ep_runtime.routing import route
@@ -49,6 +50,7 @@ class EPMoEBlock(nn.Module):
         self.shared_experts = shared_experts
         self.router = router
         self.hf_class = hf_class
+        self.graphs: BlockGraphs | None = None  # patch_moe_blocks(..., cuda_graph_tokens=N)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
         if self.training:
@@ -58,11 +60,17 @@ class EPMoEBlock(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()  # [T, H]
+        run = self.tokens_forward if self.graphs is None else self.graphs
+        return run(x).view(shape)
+
+    def tokens_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, H]
+        """Router, ``route()``, the EP layer and the shared experts on ``[T, H]`` rows: what a
+        CUDA graph of the block captures."""
         router_logits = self.gate(x)[0]  # [T, E]
         topk_ids, topk_weights = self.route(router_logits)  # [T, K] int32, [T, K] fp32
-        out = self.ep(x, topk_ids, topk_weights).view(shape)
+        out = self.ep(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+            out = out + self.shared_experts(x)
         return out
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +216,7 @@ def patch_moe_blocks(
     group: dist.ProcessGroup | None = None,
     *,
     expert_weights: ExpertWeights = _local_rows,
+    cuda_graph_tokens: int | None = None,
     **layer_options: Any,
 ) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
@@ -221,7 +230,10 @@ def patch_moe_blocks(
     rows of its own tensors; integrations/checkpoint.py reads them from a checkpoint into a
     model whose expert tensors are on the meta device). FP8 experts (transformers'
     ``FP8Experts``, 128×128 block scales) stay e4m3: an ``EPMoE`` with
-    ``quantization="fp8_block"`` gets the weights and their scales."""
+    ``quantization="fp8_block"`` gets the weights and their scales. ``cuda_graph_tokens=N``
+    (capacity mode, CUDA, a world of one): each block's forward on up to N tokens (a decode
+    step) runs as a CUDA graph, captured at the first step of each size (graphs.py)."""
+    check_graph_option(cuda_graph_tokens, layer_options, _model_device(model), group)
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
@@ -231,6 +243,7 @@ def patch_moe_blocks(
     routers = [(name, block, arch.read_router(block.gate)) for name, block, arch in plans]
     patched: list[PatchedBlock] = []
     kept = freed = 0
+    graph_pool = None if cuda_graph_tokens is None else torch.cuda.graph_pool_handle()
     for name, block, router in routers:
         w13, w2 = _fused_expert_weights(name, block)
         scales = _fp8_block_scales(name, block.experts, w13, w2)  # None: unquantized
@@ -269,6 +282,10 @@ def patch_moe_blocks(
             shared_experts=getattr(block, "shared_experts", None),
             hf_class=type(block).__name__,
         ).train(block.training)
+        if graph_pool is not None:
+            replacement.graphs = BlockGraphs(
+                replacement.tokens_forward, cuda_graph_tokens, graph_pool
+            )
         per_expert = sum(t[0].numel() for t in (w13, w2, *(scales or ())))
         kept += num_local * per_expert
         freed += num_experts * per_expert
@@ -376,6 +393,11 @@ def _fp8_block_scales(
             )
         scales.append(scale)
     return scales[0], scales[1]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def _activation_dtype(model: nn.Module) -> torch.dtype:
