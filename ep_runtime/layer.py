@@ -55,6 +55,12 @@ class EPMoE(torch.nn.Module):
     CUDA, what fits in free device memory (ep_runtime/rounds.py); ranks agree on the rounds in
     every forward. In capacity mode it is the static cap (default 256): T must fit it, buffers
     never change size, nothing syncs with the host and the forward can be a CUDA graph.
+
+    ``device_checks=True``: in exact mode at world size 1 on CUDA, ids are checked on the device
+    (a bad one poisons the output and ``check()`` raises it, as in capacity mode) instead of
+    one host read at the end of every forward, so eager forwards do not wait for the GPU. For
+    callers whose ids cannot be out of range (``route()``'s); the transformers blocks set it.
+    With peers, exact mode reads the headers on the host anyway and it changes nothing.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class EPMoE(torch.nn.Module):
         poison: bool = False,
         num_redundant_experts: int = 0,
         eplb_interval: int | None = None,
+        device_checks: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -86,6 +93,7 @@ class EPMoE(torch.nn.Module):
             poison=poison,
             num_redundant_experts=num_redundant_experts,
             eplb_interval=eplb_interval,
+            device_checks=device_checks,
         )
         if config.quantization is not None and (num_redundant_experts or eplb_interval):
             raise EPInputError(

@@ -50,6 +50,9 @@ class LayerSpec:
     poison: bool = False  # debug: NaN in padding rows, filler and the output before it is written
     num_redundant_experts: int = 0  # R: expert slots beyond one per logical expert (eplb/)
     eplb_interval: int | None = None  # rebalance every N forwards; None: only when asked
+    # exact mode alone (a world of one): ids checked on the device and raised by check(), as in
+    # capacity mode, instead of one host read per forward (for ids from route(): always valid)
+    device_checks: bool = False
 
     @classmethod
     def of(
@@ -65,6 +68,7 @@ class LayerSpec:
         poison: bool = False,
         num_redundant_experts: int = 0,
         eplb_interval: int | None = None,
+        device_checks: bool = False,
     ) -> LayerSpec:
         """The spec of ``EPMoE``'s arguments on ``device``; ``EPInputError`` naming a bad one."""
         try:
@@ -91,6 +95,7 @@ class LayerSpec:
             poison=poison,
             num_redundant_experts=num_redundant_experts,
             eplb_interval=eplb_interval,
+            device_checks=bool(device_checks),
         )
 
     @property
@@ -120,6 +125,7 @@ class LayerSpec:
             mode=self.mode,
             poison=self.poison,
             quantization=self.config.quantization,
+            device_checks=self.device_checks,
         )
 
     def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:

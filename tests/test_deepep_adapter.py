@@ -311,8 +311,8 @@ def test_local_ids_become_global_on_rank_one_of_two():
     )
     local = torch.tensor([[2, -1, 0], [-1, 3, -1], [INVALID_LOCAL_ID] * 3])
     weights = torch.tensor([[0.5, float("nan"), 0.25], [float("nan"), 1.0, 2.0], [9.0] * 3])
-    hidden = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
-    _, ids, weights = dispatcher._standard(hidden, local, weights, handle)
+    ids, weights, valid_rows = dispatcher._standard(local, weights, handle)
+    assert valid_rows.tolist() == [True, True, False]
     assert ids.dtype == torch.int32
     assert ids.tolist() == [[6, -1, 4], [-1, 7, -1], [-1, -1, -1]]
     assert weights[0, 0] == 0.5 and weights[1, 1] == 1.0 and weights[0, 2] == 0.25

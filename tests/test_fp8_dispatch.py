@@ -15,7 +15,7 @@ from ep_runtime.kernels import TORCH_OPS as torch_ops
 from ep_runtime.kernels import TRITON_OPS as triton_ops
 from ep_runtime.kernels.layout import ChunkLayout, RowFormat, chunk_starts, header_rows_for
 from ep_runtime.kernels.wire import HEADER_INTS, Field, HeaderFields
-from ep_runtime.quantization import FP8_DTYPE, quantize_activations
+from ep_runtime.quantization import FP8_DTYPE, dequantize_weight_blocks, quantize_activations
 from tests import memory_transport
 from tests.test_fp8 import fp8_inputs
 from tests.test_kernels import DEVICES, assert_bitwise, generator, new_control, routing_ids
@@ -148,3 +148,29 @@ def test_fp8_dispatch_equals_quantizing_on_the_expert_side(device, experts, layo
             layer.close()
     assert torch.equal(outputs["torch_a2a"], outputs[transport])
     assert outputs["torch_a2a"].abs().sum() > 0
+
+
+def test_fp8_and_bf16_layers_of_one_shape_get_their_own_dispatchers():
+    """Dispatchers are shared per setup: an fp8 layer beside a bf16 layer of the same shape in
+    one process must not get the other's row format (each matches its own layer's math)."""
+    E, K, H, I = 8, 3, 256, 128  # noqa: E741
+    x, ids, topk_weights, (q13, s13, q2, s2) = fp8_inputs("silu", BF16, tokens=16)
+    fp8 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16, quantization="fp8_block"), experts="reference")
+    bf16 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16), experts="reference")
+    try:
+        assert fp8.dispatcher is not bf16.dispatcher
+        assert fp8.dispatcher.row_format.quantized and not bf16.dispatcher.row_format.quantized
+        fp8.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
+        bf16.load_weights(
+            dequantize_weight_blocks(q13, s13).to(BF16), dequantize_weight_blocks(q2, s2).to(BF16)
+        )
+        assert dispatched_dtype(fp8, x, ids, topk_weights) == FP8_DTYPE
+        assert dispatched_dtype(bf16, x, ids, topk_weights) == BF16
+    finally:
+        fp8.close()
+        bf16.close()
+
+
+def dispatched_dtype(layer: EPMoE, x, ids, weights) -> torch.dtype:
+    dispatched, _ = layer.dispatcher.dispatch(x, ids, weights, layer.layout, layer=layer.identity)
+    return dispatched.hidden_states.dtype

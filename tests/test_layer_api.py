@@ -110,6 +110,7 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
             "quantization": "none",
             "num_redundant_experts": "0",
             "eplb_interval": "none",
+            "device_checks": str(options.get("device_checks", False)),
         }
         assert layer.spec.settings() == expected
         assert layer.identity.fingerprint == fingerprint_of(expected)

@@ -140,6 +140,44 @@ def test_capacity_mode_drops_out_of_range_and_repeated_ids_on_device(monkeypatch
     layer.check()  # the count was reset
 
 
+@pytest.mark.parametrize("max_tokens_per_rank", [None, 2], ids=["one_round", "two_rounds"])
+def test_exact_mode_with_device_checks_alone_defers_the_id_verdict(
+    monkeypatch, max_tokens_per_rank
+) -> None:
+    """``device_checks=True`` at world size 1 (the path forced on here, on CPU): bad ids do not
+    raise in the forward (no host read); they are dropped to -1 and ``check()`` names them.
+    Every round of a chunked forward runs (its output equals the host-checked layer's)."""
+    monkeypatch.setenv(DEVICE_CHECKS_ENV, "1")
+    layer = make_layer(device_checks=True, max_tokens_per_rank=max_tokens_per_rank)
+    checked = make_layer(max_tokens_per_rank=max_tokens_per_rank)
+    try:
+        checked.load_weights(layer.experts.w13, layer.experts.w2)
+        x, ids, weights = good_inputs()
+        assert torch.equal(layer(x, ids, weights), checked(x, ids, weights))
+        layer.check()  # nothing recorded
+        bad = torch.tensor([[1, 1], [0, 9], [3, -1]])
+        out = layer(x, bad, weights)
+        assert torch.equal(out, checked(x, torch.tensor([[1, -1], [0, -1], [3, -1]]), weights))
+        with pytest.raises(EPInputError, match=r"^topk_ids: .* 2 out-of-range or repeated ids"):
+            layer.check()
+        with pytest.raises(EPInputError, match=r"^topk_ids:"):  # the default: raised at once
+            checked(x, bad, weights)
+    finally:
+        layer.close()
+        checked.close()
+
+
+def test_device_checks_on_cpu_keep_the_host_check() -> None:
+    """Off CUDA reading the verdict costs nothing: the forward still raises at once."""
+    layer = make_layer(device_checks=True)
+    x, _, weights = good_inputs()
+    try:
+        with pytest.raises(EPInputError, match=r"^topk_ids:"):
+            layer(x, torch.tensor([[0, 4], [1, 2], [3, -1]]), weights)
+    finally:
+        layer.close()
+
+
 def test_out_tensor_must_match_x() -> None:
     layer = make_layer()
     x, ids, w = good_inputs()

@@ -1,8 +1,9 @@
-"""The process-wide dispatchers: one instance per (backend, group, sizes, dtype, mode), shared
-by every layer built for it (its buffers are the big allocation)."""
+"""The process-wide dispatchers: one instance per (backend, group, setup), shared by every layer
+built for it (its buffers are the big allocation)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -26,19 +27,13 @@ _SHARED = _SharedDispatchers()
 
 
 def _key(cls: type[Dispatcher], setup: DispatchSetup) -> tuple:
+    """The backend, the group, and every field of the setup but the comm object (so a field
+    added to ``DispatchSetup`` keys the cache by construction)."""
     group_key = id(setup.comm.group) if setup.comm.group is not None else None
-    return (
-        cls.name,
-        group_key,
-        setup.comm.device,
-        setup.num_experts,
-        setup.hidden_size,
-        setup.max_top_k,
-        setup.max_tokens_per_rank,
-        setup.dtype,
-        setup.mode,
-        setup.poison,
+    settings = tuple(
+        (f.name, getattr(setup, f.name)) for f in dataclasses.fields(setup) if f.name != "comm"
     )
+    return (cls.name, group_key, setup.comm.device, settings)
 
 
 def acquire_dispatcher(

@@ -78,7 +78,7 @@ def fingerprint_of(settings: dict[str, object]) -> int:
 class Checks:
     """How a dispatcher's forwards are checked; decided once (``DispatchSetup.checks``)."""
 
-    on_device: bool  # capacity mode on CUDA: recorded on the device, raised by check()
+    on_device: bool  # capacity mode (or device_checks alone) on CUDA: raised by check()
     peers: bool  # other ranks take part (a world of one has no headers to agree on)
     exact: bool  # exact mode: buffers sized from the headers where they are read on the host
 
@@ -182,7 +182,7 @@ class ForwardProtocol:
 
         if self.checks.on_device:
             self._record(received, Phase.DISPATCH, top_k)
-            return Outcome(error=own_error, agreed=agreed(columns, 1))
+            return Outcome(error=own_error, agreed=agreed(columns, num_chunks))
         if not self.checks.peers:  # the route's verdict on this rank's ids, read at the end
             sent = header_pair[0, 0]
 

@@ -54,6 +54,8 @@ class DispatchSetup:
     # fp8 block-scaled experts: rows travel as the contract's q(x), e4m3 and per-128-column
     # scales (Dispatched.hidden_states_scale), where the dispatcher can send them
     quantization: Quantization | None = None
+    # exact mode without peers: ids checked on the device (raised by check()), no host read
+    device_checks: bool = False
 
     @property
     def placement(self) -> ExpertPlacement:
@@ -66,11 +68,15 @@ class DispatchSetup:
     @property
     def checks(self) -> Checks:
         """How forwards are checked, decided here only. Capacity mode on CUDA never syncs:
-        headers are checked on the device. (Tests set ``EP_RUNTIME_CHECKS_ON_DEVICE=1`` to run
-        that path's logic on CPU ranks too.)"""
+        headers are checked on the device; so does exact mode without peers when asked
+        (``device_checks``: nothing else there needs a host read). (Tests set
+        ``EP_RUNTIME_CHECKS_ON_DEVICE=1`` to run that path's logic on CPU ranks too.)"""
         on_device = self.device.type == "cuda" or os.environ.get(DEVICE_CHECKS_ENV) == "1"
+        deferred = self.mode is DispatchMode.CAPACITY or (
+            self.device_checks and not self.comm.has_peers
+        )
         return Checks(
-            on_device=self.mode is DispatchMode.CAPACITY and on_device,
+            on_device=deferred and on_device,
             peers=self.comm.has_peers,
             exact=self.mode is DispatchMode.EXACT,
         )

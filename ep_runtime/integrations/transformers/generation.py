@@ -88,6 +88,7 @@ def greedy_generate(
             active_s = now - started
             if len(tokens) == 1:
                 prefill_s = now - step_start
+    report.check()  # verdicts recorded on the device (device_checks, capacity mode)
     vocab = rows[0].numel() if rows else 0
     return GreedyResult(
         tokens=tokens,

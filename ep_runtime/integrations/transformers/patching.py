@@ -141,6 +141,12 @@ class PatchReport:
         for block in self.blocks:
             block.module.forward_idle()
 
+    def check(self) -> None:
+        """Raise what the EP blocks recorded on the device (``EPMoE.check``, one host sync
+        each): the ids' verdicts of forwards that did not read them on the host."""
+        for block in self.blocks:
+            block.module.ep.check()
+
     def anyone(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (one 1-element all-reduce)."""
         if self.world_size == 1:
@@ -259,7 +265,8 @@ def patch_moe_blocks(
             dtype=w13.dtype if scales is None else _activation_dtype(model),
             quantization=None if scales is None else Quantization.FP8_BLOCK,
         )
-        options = {"device": w13.device, **layer_options}
+        # route() gives ids in range: checked on the device, no host read per forward alone
+        options = {"device": w13.device, "device_checks": True, **layer_options}
         ep = EPMoE(config, group=group, **options)
         local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
         num_local = len(local)
