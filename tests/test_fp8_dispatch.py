@@ -155,8 +155,9 @@ def test_fp8_and_bf16_layers_of_one_shape_get_their_own_dispatchers():
     one process must not get the other's row format (each matches its own layer's math)."""
     E, K, H, I = 8, 3, 256, 128  # noqa: E741
     x, ids, topk_weights, (q13, s13, q2, s2) = fp8_inputs("silu", BF16, tokens=16)
-    fp8 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16, quantization="fp8_block"), experts="reference")
-    bf16 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16), experts="reference")
+    options = dict(experts="reference", device="cpu")  # the inputs' device
+    fp8 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16, quantization="fp8_block"), **options)
+    bf16 = EPMoE(MoEConfig(E, K, H, I, dtype=BF16), **options)
     try:
         assert fp8.dispatcher is not bf16.dispatcher
         assert fp8.dispatcher.row_format.quantized and not bf16.dispatcher.row_format.quantized
