@@ -105,27 +105,19 @@ def test_round_trip_is_exact(imitation_pool, world_size, mode, layout):
     assert sum(imitation_pool(world_size).run_ok(dispatch_cases.check_round_trip, spec)) > 0
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8_block"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode=mode, tokens=(9, 5)[:world_size])
-    pool = imitation_pool(world_size)
-    assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_dispatch_moves_the_senders_quantized_rows(imitation_pool, world_size, mode, layout):
-    """fp8 weights: the rows arrive as the sender's ``q(x)`` (e4m3 bits and fp32 scales)."""
+def test_dispatch_is_bitwise(imitation_pool, world_size, mode, layout, quantization):
+    """Rows arrive bit for bit; with fp8 weights as the sender's ``q(x)`` (e4m3 and scales)."""
     spec = CaseSpec(
         dispatcher=IMITATION,
         layout=layout,
         mode=mode,
         tokens=(9, 5)[:world_size],
         intermediate=128,
-        quantization="fp8_block",
+        quantization=quantization,
     )
     pool = imitation_pool(world_size)
     assert sum(pool.run_ok(deepep_cases.check_dispatch_bitwise_any_order, spec)) > 0
