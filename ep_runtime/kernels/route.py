@@ -133,8 +133,10 @@ def _route_kernel(
     BT: tl.constexpr,  # tokens per step
     DROP: tl.constexpr,
     COUNT: tl.constexpr,  # add each kept (token, slot) pair to slot_load
+    EB: tl.constexpr,  # load bins: the E slots and one for unused pairs, a power of two
 ):
-    """One program: tokens in blocks of BT, with running rows per destination (the carry)."""
+    """One program: tokens in blocks of BT, with running rows per destination (the carry);
+    the load count in a per-program histogram, added to ``slot_load`` once at the end."""
     seq = tl.load(control + C_SEQ)
     bad_ids = tl.load(control + C_BAD_IDS)
     tl.debug_barrier()  # every thread has read control before any thread writes it
@@ -143,6 +145,7 @@ def _route_kernel(
     rows = tl.zeros([WP], dtype=tl.int32)  # token rows so far per destination
     slot_lanes = tl.zeros([BT, WP], dtype=tl.int32)  # (token, slot) pairs per lane, summed last
     dropped_lanes = tl.zeros([BT], dtype=tl.int32)
+    load = tl.zeros([EB], dtype=tl.int32)  # kept (token, slot) pairs per slot (COUNT)
     for start in range(0, num_tokens, BT):
         t = start + tl.arange(0, BT)
         t_ok = t < num_tokens
@@ -165,9 +168,9 @@ def _route_kernel(
             ids = tl.where(repeated, -1, ids)
             dropped_lanes += tl.sum((out_of_range | repeated).to(tl.int32), axis=1)
         tl.store(ids_out + t64[:, None] * top_k + k[None, :], ids, mask=tk_ok)
-        if COUNT:  # integer atomics: the same counts in any order
-            kept = tk_ok & (ids >= 0)
-            tl.atomic_add(slot_load + tl.where(kept, ids, 0), 1, mask=kept)
+        if COUNT:  # unused pairs fall in the bin past the slots
+            bins = tl.where(tk_ok & (ids >= 0), ids, num_experts)
+            load += tl.histogram(tl.reshape(bins, [BT * KP]), EB)
         owner = tl.where(ids >= 0, tl.where(ids >= 0, ids, 0) // experts_per_rank, -1)
         hit = (owner[:, :, None] == w[None, None, :]) & (w[None, None, :] < world)  # [BT,KP,WP]
         hit = hit.to(tl.int32)
@@ -206,6 +209,10 @@ def _route_kernel(
     values = tl.where(f == F_NUM_ROWS, rows[:, None], values)
     values = tl.where(f == F_NUM_SLOTS, slots[:, None], values)
     tl.store(header + w[:, None] * header_stride + f, values, mask=w[:, None] < world)
+    if COUNT:
+        e = tl.arange(0, EB)
+        counted = tl.load(slot_load + e, mask=e < num_experts, other=0)
+        tl.store(slot_load + e, counted + load.to(tl.int64), mask=e < num_experts)
     tl.store(control + C_SEQ, seq + 1)
     tl.store(control + C_FORWARD_FAILED, 0)
     if DROP:
@@ -263,6 +270,7 @@ def triton_route_tokens(
         BT=pow2(block),
         DROP=drop_invalid,
         COUNT=slot_load is not None,
+        EB=pow2(num_experts + 1),
         num_warps=8,
     )
     return Route(ids, dest_slot, token_of, header_out)
