@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ep_runtime.bench.timing import time_ms
 from ep_runtime.kernels.expert_tiles import TileConfig, rows_bucket, shape_key, table_path
 
 BF16 = torch.bfloat16
@@ -84,21 +83,6 @@ def candidates(bucket: int) -> list[TileConfig]:
     return prefill
 
 
-def time_ms(work: Callable[[], object], iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        work()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     """Weights, rows, routing and the sorted pairs of one (shape, T)."""
     from ep_runtime.kernels import expert_rows
@@ -143,7 +127,7 @@ def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int) -> d
         timings = {}
         for config in candidates(bucket):
             try:
-                timings[config] = time_ms(lambda c=config, run=run: run(c), iters)
+                timings[config] = time_ms(lambda c=config, run=run: run(c), iters, warmup=2)
             except Exception as error:  # out of shared memory / registers: not a candidate
                 print(f"  {gemm} {config}: {type(error).__name__}", file=sys.stderr)
         best = min(timings, key=timings.__getitem__)
