@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from ep_runtime.kernels.triton_common import (
+    cdiv,
     exp_fp32,
     jit,
     rounded,
     row_block,
     stride_units,
     tl,
-    triton,
 )
 
 
@@ -84,7 +84,7 @@ def triton_weighted_activation(
         block, warps = row_block(width, h.element_size())
         h_rows, h_unit = stride_units(h.stride(0), h.element_size())
         width_units, w_unit = stride_units(width, h.element_size())
-        _activation_kernel[(num_rows, triton.cdiv(width, block))](
+        _activation_kernel[(num_rows, cdiv(width, block))](
             h,
             h_rows,
             h.stride(1),

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import INTERPRET
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 # --------------------------------------------------------------------------- torch spec
@@ -327,7 +327,7 @@ def row_tiles(num_grouped: int, num_local: int, block_m: int) -> int:
     """Bound on the row tiles of ``num_grouped`` rows in ``num_local`` groups: each group adds
     at most one partial tile, and every tile holds at least one row. It also leaves at least as
     many spare tiles as there are padding tiles (what ZERO_PAD needs)."""
-    return min(triton.cdiv(num_grouped, block_m) + num_local, num_grouped)
+    return min(cdiv(num_grouped, block_m) + num_local, num_grouped)
 
 
 def _launch_options(config: TileConfig, num_local: int, depth: int, dtype: torch.dtype) -> dict:
@@ -339,7 +339,7 @@ def _launch_options(config: TileConfig, num_local: int, depth: int, dtype: torch
         "BN": config.block_n,
         "BK": config.block_k,
         "GROUP_M": config.group_m,
-        "LP": triton.next_power_of_2(max(num_local, 1)),
+        "LP": pow2(num_local),
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
@@ -361,7 +361,7 @@ def expert_up(
     if num_grouped == 0 or width == 0:
         return out
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * triton.cdiv(width, config.block_n),)
+    grid = (tiles_m * cdiv(width, config.block_n),)
     _up_kernel[grid](
         x,
         x.stride(0),
@@ -403,7 +403,7 @@ def expert_down(
             out.zero_()
         return out
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * triton.cdiv(width, config.block_n),)
+    grid = (tiles_m * cdiv(width, config.block_n),)
     _down_kernel[grid](
         act,
         act.stride(0),

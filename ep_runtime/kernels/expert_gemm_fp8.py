@@ -24,7 +24,7 @@ import triton.language as tl
 from ep_runtime.kernels.expert_gemm import _activate, _expert_tile, _groups, row_tiles
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, exp_fp32
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 from ep_runtime.quantization import (
     BLOCK,
@@ -281,7 +281,7 @@ def _options(config: TileConfig, num_local: int) -> dict:
         "BN": config.block_n,
         "BK": config.block_k,
         "GROUP_M": config.group_m,
-        "LP": triton.next_power_of_2(max(num_local, 1)),
+        "LP": pow2(num_local),
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
@@ -356,7 +356,7 @@ def expert_down_fp8(
             out.zero_()
         return out
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * triton.cdiv(width, config.block_n),)
+    grid = (tiles_m * cdiv(width, config.block_n),)
     _down_fp8_kernel[grid](
         a_q,
         a_q.stride(0),

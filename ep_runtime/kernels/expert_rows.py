@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_runtime.kernels.triton_common import cdiv, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 SORT_BLOCK = 4096  # pairs one program scans per step (each step waits on two reductions)
@@ -175,8 +176,8 @@ def sum_slots(
     hidden = out.size(1)
     if num_rows == 0 or hidden == 0:
         return out
-    block = min(triton.next_power_of_2(hidden), MAX_SUM_BLOCK)
-    _sum_kernel[(num_rows, triton.cdiv(hidden, block))](
+    block = min(pow2(hidden), MAX_SUM_BLOCK)
+    _sum_kernel[(num_rows, cdiv(hidden, block))](
         y,
         y.stride(0),
         topk_ids,
@@ -188,7 +189,7 @@ def sum_slots(
         hidden,
         local_offset,
         num_local,
-        KP=triton.next_power_of_2(max(top_k, 1)),
+        KP=pow2(top_k),
         BLOCK=block,
         num_warps=max(1, min(8, block * out.element_size() // 512)),
     )

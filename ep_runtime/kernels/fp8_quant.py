@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.kernels.triton_common import INTERPRET, jit, pow2, tl, triton
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, jit, pow2, tl
 from ep_runtime.quantization import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, quantize_activations
 
 MAX_GROUPS = 16  # groups of 128 columns one program quantizes (2048 columns)
@@ -99,7 +99,7 @@ def triton_quantize_rows(
     if rows == 0 or num_groups == 0:
         return q, s
     per_program = min(pow2(num_groups), MAX_GROUPS)
-    grid = (rows, triton.cdiv(num_groups, per_program))
+    grid = (rows, cdiv(num_groups, per_program))
     _quantize_kernel[grid](
         x,
         x.stride(0),

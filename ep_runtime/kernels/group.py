@@ -10,12 +10,12 @@ import torch
 
 from ep_runtime.kernels.triton_common import (
     TILE_ELEMENTS,
+    cdiv,
     jit,
     pow2,
     row_block,
     stride_units,
     tl,
-    triton,
 )
 from ep_runtime.kernels.types import Grouped
 from ep_runtime.placement import LocalExperts
@@ -243,7 +243,7 @@ def triton_group_rows(
     lp = pow2(num_local)
     sub = max(1, min(TILE_ELEMENTS // lp, pow2(num_pairs)))
     pairs_per_block = max(sub, min(1024, pow2(-(-num_pairs // 128))))
-    num_blocks = triton.cdiv(num_pairs, pairs_per_block)
+    num_blocks = cdiv(num_pairs, pairs_per_block)
     block_counts = torch.empty(max(num_blocks, 1), lp, dtype=torch.int32, device=device)
     positions = torch.empty(num_src, top_k, dtype=torch.int32, device=device)
     source_pair = torch.empty(max(num_rows, 1), dtype=torch.int32, device=device)
@@ -272,7 +272,7 @@ def triton_group_rows(
         block, warps = row_block(hidden_size, hidden.element_size())
         hidden_rows, unit = stride_units(hidden.stride(0), hidden.element_size())
         out_rows, out_unit = stride_units(hidden_size, hidden.element_size())
-        _group_gather_kernel[(num_rows, triton.cdiv(hidden_size, block))](
+        _group_gather_kernel[(num_rows, cdiv(hidden_size, block))](
             *(hidden, hidden_rows, hidden.stride(1)),
             *ids_args,
             *(topk_weights, topk_weights.stride(0), topk_weights.stride(1)),

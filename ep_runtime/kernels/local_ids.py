@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.kernels.triton_common import TILE_ELEMENTS, jit, pow2, tl, triton
+from ep_runtime.kernels.triton_common import TILE_ELEMENTS, cdiv, jit, pow2, tl
 from ep_runtime.placement import LocalExperts
 
 
@@ -59,7 +59,7 @@ def triton_local_ids(
     kp = pow2(top_k)
     block = max(1, min(256, TILE_ELEMENTS // kp))
     if num_rows:
-        _local_ids_kernel[(triton.cdiv(num_rows, block),)](
+        _local_ids_kernel[(cdiv(num_rows, block),)](
             topk_ids,
             topk_ids.stride(0),
             topk_ids.stride(1),

@@ -17,13 +17,13 @@ from ep_runtime.kernels.triton_common import (
     F_NUM_ROWS,
     HINTS,
     capacity_arg,
+    cdiv,
     device_chunk_starts,
     jit,
     pow2,
     row_block,
     stride_units,
     tl,
-    triton,
 )
 from ep_runtime.kernels.types import Route
 from ep_runtime.kernels.wire import HEADER_BYTES, Field
@@ -197,7 +197,7 @@ def triton_pack_rows(
     if quantized:  # whole groups per program (a power of two ≥ 128; H is a multiple of 128)
         block = max(BLOCK, block)
     wire_itemsize = row_format.hidden_dtype.itemsize
-    grid = (num_rows, triton.cdiv(hidden_size, block))
+    grid = (num_rows, cdiv(hidden_size, block))
     x_rows, x_unit = stride_units(x.stride(0), itemsize)
     _pack_kernel[grid](
         x,

@@ -11,13 +11,13 @@ import torch
 from ep_runtime.kernels.layout import ChunkLayout, chunk_starts
 from ep_runtime.kernels.triton_common import (
     capacity_arg,
+    cdiv,
     jit,
     pow2,
     rounded,
     row_block,
     stride_units,
     tl,
-    triton,
 )
 
 
@@ -139,7 +139,7 @@ def triton_sum_rows(
     out_rows, out_unit = stride_units(out.stride(0), out.element_size())
     counts = chunk_counts if chunk_counts is not None else positions  # unread without chunks
     flag = failed if failed is not None else positions  # unread without ``failed``
-    _sum_kernel[(num_out, triton.cdiv(hidden_size, block))](
+    _sum_kernel[(num_out, cdiv(hidden_size, block))](
         source,
         source_rows,
         source.stride(1),

@@ -85,8 +85,14 @@ if INTERPRET:
 
 # --------------------------------------------------------------------------- launch helpers
 def pow2(n: int) -> int:
-    """Smallest power of two ≥ max(n, 1)."""
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two ≥ max(n, 1) (plain Python: Triton's ``next_power_of_2`` is a
+    constexpr function, several microseconds a call, and launches call this ~16 times)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (plain Python, as ``pow2``)."""
+    return -(-a // b)
 
 
 def row_block(length: int, element_size: int) -> tuple[int, int]:
