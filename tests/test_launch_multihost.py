@@ -36,7 +36,9 @@ SUBNET = "10.213.71"  # private /24, lives only inside the two namespaces
 GLOO = "GLOO_SOCKET_IFNAME"
 RAY_BIN = Path(sys.executable).parent / "ray"
 JOB_TIMEOUT_S = 150
-LAUNCH_ARGS = ("--dp", "4", "--address", "auto", "--iters", "2", "--warmup", "1",
+# 20 timed iterations: the ranks' listening window lasts a few sampling periods (with 2 it was
+# sometimes shorter than one sampling pass on a loaded machine, and no listener was seen)
+LAUNCH_ARGS = ("--dp", "4", "--address", "auto", "--iters", "20", "--warmup", "1",
                "--no-baselines", "--timeout", "30")  # fmt: skip
 
 
@@ -243,7 +245,7 @@ class TwoHosts:
                 for host in self.hosts:
                     run = [p for p in self._netns_pids(host.netns) if _of_the_run(table, p)]
                     seen[host.name] |= listening_in_namespace(run)
-                time.sleep(0.5)
+                time.sleep(0.1)
             try:
                 job.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
