@@ -23,7 +23,9 @@ Expert tensor names: the per-expert format the models' own repositories ship and
 ``…block_sparse_moe.experts.{e}.w1.weight``), or transformers' fused in-memory layout
 (``…mlp.experts.gate_up_proj [E, 2I, H]``, ``save_pretrained(save_original_format=False)``).
 fp8 checkpoints (DeepSeek-V3's ``weight`` + ``weight_scale_inv``) are refused with that reason:
-there is no fp8 weight path yet, and casting fp8 without its scales would be wrong.
+this loader has no fp8 weight path yet (``EPMoE`` takes ``fp8_block`` weights, and
+``patch_moe_blocks`` hands them over from a model loaded whole), and casting fp8 without its
+scales would be wrong.
 """
 
 from __future__ import annotations
@@ -198,8 +200,9 @@ def _refuse_fp8(info: TensorInfo) -> None:
     if info.is_fp8:
         raise EPInputError(
             f"checkpoint tensor {info.name} in {info.file}",
-            "bf16, fp16 or fp32 weights (no fp8 weight path yet: its weight_scale_inv would be "
-            "needed to read it; dequantize the checkpoint to bf16 first)",
+            "bf16, fp16 or fp32 weights (the sharded loader has no fp8 weight path yet: its "
+            "weight_scale_inv would be needed to read it; load the model whole and patch it, or "
+            "dequantize the checkpoint to bf16 first)",
             info.dtype,
         )
 
