@@ -57,7 +57,7 @@ class EPMoE(torch.nn.Module):
     never change size, nothing syncs with the host and the forward can be a CUDA graph.
 
     ``device_checks=True``: in exact mode at world size 1 on CUDA, ids are checked on the device
-    (a bad one poisons the output and ``check()`` raises it, as in capacity mode) instead of
+    (a bad one is dropped to -1 and counted, and ``check()`` raises, as in capacity mode) instead of
     one host read at the end of every forward, so eager forwards do not wait for the GPU. For
     callers whose ids cannot be out of range (``route()``'s); the transformers blocks set it.
     With peers, exact mode reads the headers on the host anyway and it changes nothing.

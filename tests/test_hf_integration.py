@@ -233,12 +233,21 @@ def test_cuda_graph_option_is_refused_where_it_cannot_run(options, message) -> N
     assert not any(isinstance(m, EPMoEBlock) for m in model.modules())
 
 
-def test_cuda_graph_option_refuses_more_tokens_than_the_cap() -> None:
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(max_tokens_per_rank=4, cuda_graph_tokens=8), r"<= max_tokens_per_rank \(4\)"),
+        (dict(cuda_graph_tokens=300), r"<= max_tokens_per_rank \(256\)"),  # the default cap
+        (dict(cuda_graph_tokens=8, num_redundant_experts=2), r"no expert load balancing"),
+        (dict(cuda_graph_tokens=8, eplb_interval=4), r"no expert load balancing"),
+    ],
+    ids=["cap", "default_cap", "redundant_experts", "eplb_interval"],
+)
+def test_cuda_graph_option_refuses_what_a_capture_cannot_hold(options, message) -> None:
+    """Checked before any layer is built, on the arguments alone (so also without a GPU)."""
     model = build_random_model(random_config("qwen3-moe"), seed=1)
-    with pytest.raises(EPInputError, match=r"^cuda_graph_tokens: expected <= max_tokens_per_rank"):
-        patch_moe_blocks(
-            model, mode="capacity", max_tokens_per_rank=4, cuda_graph_tokens=8, device="cuda"
-        )
+    with pytest.raises(EPInputError, match=rf"^cuda_graph_tokens: expected .*{message}"):
+        patch_moe_blocks(model, mode="capacity", device="cuda", **options)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")

@@ -26,14 +26,18 @@ class _SharedDispatchers:
 _SHARED = _SharedDispatchers()
 
 
+UNKEYED = ("comm", "device_checks")  # the comm by group and device; device_checks by its effect
+
+
 def _key(cls: type[Dispatcher], setup: DispatchSetup) -> tuple:
-    """The backend, the group, and every field of the setup but the comm object (so a field
-    added to ``DispatchSetup`` keys the cache by construction)."""
+    """The backend, the group, every other field of the setup (so a field added to
+    ``DispatchSetup`` keys the cache by construction) and how forwards are checked (so
+    ``device_checks`` splits the cache only where it changes something)."""
     group_key = id(setup.comm.group) if setup.comm.group is not None else None
     settings = tuple(
-        (f.name, getattr(setup, f.name)) for f in dataclasses.fields(setup) if f.name != "comm"
+        (f.name, getattr(setup, f.name)) for f in dataclasses.fields(setup) if f.name not in UNKEYED
     )
-    return (cls.name, group_key, setup.comm.device, settings)
+    return (cls.name, group_key, setup.comm.device, settings, setup.checks)
 
 
 def acquire_dispatcher(

@@ -9,7 +9,10 @@ the same buffers as the eager forward, so its output is bitwise the eager one's.
 Conditions, checked by ``check_graph_option`` before any layer is built: capacity mode (static
 buffers, nothing read on the host), a CUDA device, a world of one (a capture of a multi-rank
 forward would need every rank to replay the same collectives in step, which lockstep
-generation with ranks of different token counts does not give), and ``N`` within the cap.
+generation with ranks of different token counts does not give), ``N`` within the cap (the
+default 256 where none is given), and no expert load balancing (a rebalance moves the weights
+a graph has captured, and its interval is counted by eager forwards only). The two eager
+warm-up calls before each capture are forwards like any other (the expert load counts them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ep_runtime.config import DEFAULT_MAX_TOKENS_PER_RANK
 from ep_runtime.types import DispatchMode, EPInputError
 
 OPTION = "cuda_graph_tokens"
@@ -38,19 +42,28 @@ def check_graph_option(
         return
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise EPInputError(OPTION, "an int >= 1 (the most tokens a captured forward takes)", tokens)
-    mode = DispatchMode(layer_options.get("mode", DispatchMode.EXACT))
-    if mode is not DispatchMode.CAPACITY:
+    mode = layer_options.get("mode", DispatchMode.EXACT)
+    if mode not in (DispatchMode.CAPACITY, DispatchMode.CAPACITY.value):
         raise EPInputError(
-            OPTION, "mode='capacity' (static buffers, no host reads)", f"mode={mode.value!r}"
+            OPTION, "mode='capacity' (static buffers, no host reads)", f"mode={mode!r}"
         )
-    target = torch.device(layer_options.get("device", device))
+    target = torch.device(layer_options.get("device") or device)
     if target.type != "cuda":
         raise EPInputError(OPTION, "a CUDA device", f"device={target}")
     world = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
     if world != 1:
         raise EPInputError(OPTION, "a world of one rank", f"a group of {world} ranks")
-    cap = layer_options.get("max_tokens_per_rank")
-    if cap is not None and tokens > cap:
+    balancing = {
+        name: layer_options.get(name)
+        for name in ("num_redundant_experts", "eplb_interval")
+        if layer_options.get(name)
+    }
+    if balancing:
+        raise EPInputError(
+            OPTION, "no expert load balancing (a rebalance moves captured weights)", balancing
+        )
+    cap = layer_options.get("max_tokens_per_rank") or DEFAULT_MAX_TOKENS_PER_RANK
+    if isinstance(cap, int) and tokens > cap:
         raise EPInputError(OPTION, f"<= max_tokens_per_rank ({cap})", tokens)
 
 
@@ -82,15 +95,17 @@ class BlockGraphs:
         num_tokens = x.size(0)
         if not 1 <= num_tokens <= self.max_tokens or torch.cuda.is_current_stream_capturing():
             return self.run(x)
-        capture = self._captures.get(num_tokens)
-        if capture is None:
-            capture = self._captures[num_tokens] = self._capture(x)
-        capture.x.copy_(x)
-        capture.graph.replay()
-        return capture.out.clone()  # the next replay overwrites the graph's output
+        with torch.cuda.device(x.device):
+            capture = self._captures.get(num_tokens)
+            if capture is None:
+                capture = self._captures[num_tokens] = self._capture(x)
+            capture.x.copy_(x)
+            capture.graph.replay()
+            return capture.out.clone()  # the next replay overwrites the graph's output
 
     def _capture(self, x: torch.Tensor) -> _Capture:
-        static_x = x.clone()
+        with torch.inference_mode(False):  # a normal tensor: copied into under any grad mode
+            static_x = x.clone()
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
