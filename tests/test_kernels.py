@@ -519,18 +519,18 @@ LAUNCHES_PER_FORWARD = {"standard": 9, "expanded": 8}  # Triton launches, world 
 
 
 class LaunchCounter:
-    """Counts Triton kernel launches (``kernel[grid](...)``)."""
+    """Counts Triton kernel launches (``kernel[grid](...)``, every kernel a ``LaunchedKernel``)."""
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
         kernel_class = type(route_op._route_kernel)
-        original = kernel_class.run
+        original = kernel_class.launch
 
-        def counting_run(kernel, *args, **kwargs):
+        def counting_launch(kernel, *args, **kwargs):
             self.count += 1
             return original(kernel, *args, **kwargs)
 
-        monkeypatch.setattr(kernel_class, "run", counting_run)
+        monkeypatch.setattr(kernel_class, "launch", counting_launch)
 
 
 def layer_case(device: torch.device, activation: str):

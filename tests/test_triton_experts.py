@@ -234,19 +234,24 @@ def test_shipped_tile_table_is_valid() -> None:
     powers = {16, 32, 64, 128, 256}
     for shapes in devices.values():
         for key, buckets in shapes.items():
-            assert key.startswith(("up_L", "down_L")), key
+            assert key.startswith(("up_L", "down_L", "fp8_up_L", "fp8_down_L")), key
             for bucket, config in buckets.items():
                 assert bucket & (bucket - 1) == 0, (key, bucket)
                 assert {config.block_m, config.block_n, config.block_k} <= powers, (key, config)
+                if key.startswith("fp8_"):  # one scale per k-step; GEMM1 quantizes per tile
+                    assert config.block_k == 128, (key, config)
+                    assert config.block_n == 128 or key.startswith("fp8_down"), (key, config)
     tuned_device = next(iter(devices))
-    key = next(iter(devices[tuned_device]))
-    gemm, num_local, n, k = key.split("_")[:4]
-    picked = expert_tiles.select(
-        tuned_device, gemm, int(num_local[1:]), int(n[1:]), int(k[1:]), key.endswith("gated"), 8
-    )
-    assert picked in devices[tuned_device][key].values()
+    for fp8 in (False, True):
+        key = next(k for k in devices[tuned_device] if k.startswith("fp8_") == fp8)
+        gemm, num_local, n, k = key.removeprefix("fp8_").split("_")[:4]
+        args = (tuned_device, gemm, int(num_local[1:]), int(n[1:]), int(k[1:]))
+        picked = expert_tiles.select(*args, key.endswith("gated"), 8, fp8=fp8)
+        assert picked in devices[tuned_device][key].values()
     unknown = expert_tiles.select("no such GPU", "up", 3, 24, 40, True, 8)
     assert unknown == expert_tiles.heuristic("up", 4, 24, 40, interpret=False)
+    unknown_fp8 = expert_tiles.select("no such GPU", "down", 3, 256, 128, False, 8, fp8=True)
+    assert unknown_fp8 == expert_tiles.heuristic_fp8("down", 4, interpret=False)
 
 
 def test_auto_picks_it_only_where_measured_faster(monkeypatch) -> None:

@@ -1,5 +1,9 @@
 """Tune the ``triton`` experts' tile configs: ``python -m ep_runtime.bench.tune_experts``.
 
+``--quantization fp8_block`` tunes the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``)
+instead, on weights quantized per 128×128 block and rows quantized per 128 columns; their
+entries are keyed apart (prefix ``fp8_``).
+
 For each model shape and token count, routes T tokens (balanced random, distinct experts per
 token, world size 1, STANDARD layout: rows gathered through the sorted pairs), times every
 candidate config of each GEMM (``expert_up``, ``expert_down``) with CUDA events (median), checks
@@ -20,6 +24,12 @@ import torch
 
 from ep_runtime.bench.timing import time_ms
 from ep_runtime.kernels.expert_tiles import TileConfig, rows_bucket, shape_key, table_path
+from ep_runtime.quantization import (
+    FP8_DTYPE,
+    dequantize_activations,
+    quantize_activations,
+    quantize_weight_blocks,
+)
 
 BF16 = torch.bfloat16
 
@@ -83,6 +93,42 @@ def candidates(bucket: int) -> list[TileConfig]:
     return prefill
 
 
+def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
+    """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step) and, for GEMM1,
+    BLOCK_N = 128 (its epilogue quantizes one 128-column group per tile row)."""
+    decode = [
+        TileConfig(16, 128, 128, 1, 4, 3, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 5, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 4),
+        TileConfig(32, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 64, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 64, 128, 1, 4, 5, swap=True),
+        TileConfig(16, 64, 128, 1, 2, 4, swap=True),
+    ]
+    middle = [
+        TileConfig(32, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 4),
+        TileConfig(64, 128, 128, 4, 4, 3),
+        TileConfig(64, 128, 128, 8, 4, 4),
+        TileConfig(64, 64, 128, 8, 4, 4),
+        TileConfig(32, 64, 128, 1, 4, 4, swap=True),
+    ]
+    prefill = [
+        TileConfig(64, 128, 128, 8, 4, 3),
+        TileConfig(64, 128, 128, 8, 4, 4),
+        TileConfig(128, 128, 128, 8, 4, 3),
+        TileConfig(128, 128, 128, 8, 8, 3),
+        TileConfig(128, 128, 128, 8, 8, 4),
+        TileConfig(128, 128, 128, 16, 8, 3),
+        TileConfig(128, 64, 128, 8, 4, 4),
+        TileConfig(128, 256, 128, 8, 8, 3),
+        TileConfig(256, 128, 128, 8, 8, 3),
+    ]
+    chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill
+    return [c for c in chosen if gemm == "down" or c.block_n == 128]
+
+
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     """Weights, rows, routing and the sorted pairs of one (shape, T)."""
     from ep_runtime.kernels import expert_rows
@@ -101,41 +147,86 @@ def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     return w13, w2, x, ids, weights, pairs, offsets
 
 
-def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int) -> dict:
-    """Best config of each GEMM for (shape, T), with every candidate's time."""
-    from ep_runtime.kernels import expert_gemm
+def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
+    """``{gemm: (run(config), result(), spec result, rows compared)}`` for one (shape, T)."""
+    from ep_runtime.kernels import expert_gemm, expert_gemm_fp8
 
     w13, w2, x, _, weights, pairs, offsets = problem(shape, tokens, device)
-    num_pairs = pairs.numel()
-    bucket = rows_bucket(num_pairs, shape.num_local)
-    act = torch.empty(num_pairs, shape.intermediate, dtype=BF16, device=device)
+    num_pairs, k = pairs.numel(), shape.top_k
+    served = pairs[: int(offsets[-1])].long()
     per_pair = torch.empty(num_pairs, shape.hidden, dtype=BF16, device=device)
-    up_spec = expert_gemm.expert_up_spec(x, w13, offsets, pairs, top_k=shape.top_k, gated=True)
-    down_spec = expert_gemm.expert_down_spec(
-        up_spec, w2, offsets, pairs, weights, num_out=num_pairs
+    if not fp8:
+        act = torch.empty(num_pairs, shape.intermediate, dtype=BF16, device=device)
+        up_spec = expert_gemm.expert_up_spec(x, w13, offsets, pairs, top_k=k, gated=True)
+        down_spec = expert_gemm.expert_down_spec(
+            up_spec, w2, offsets, pairs, weights, num_out=num_pairs
+        )
+        return {
+            "up": (
+                lambda c: expert_gemm.expert_up(
+                    x, w13, offsets, pairs, act, top_k=k, gated=True, config=c
+                ),
+                lambda: act,
+                up_spec,
+                slice(0, num_pairs),
+            ),
+            "down": (
+                lambda c: expert_gemm.expert_down(
+                    up_spec, w2, offsets, pairs, weights, per_pair, config=c
+                ),
+                lambda: per_pair,
+                down_spec,
+                served,
+            ),
+        }
+    (q13, s13), (q2, s2) = quantize_weight_blocks(w13), quantize_weight_blocks(w2)
+    x_q, x_s = quantize_activations(x)
+    act_q = torch.empty(num_pairs, shape.intermediate, dtype=FP8_DTYPE, device=device)
+    act_s = torch.empty(num_pairs, shape.intermediate // 128, device=device)
+    spec_q, spec_s = expert_gemm_fp8.expert_up_fp8_spec(
+        x_q, x_s, q13, s13, offsets, pairs, top_k=k, gated=True
     )
-    runs = {
-        "up": lambda c: expert_gemm.expert_up(
-            x, w13, offsets, pairs, act, top_k=shape.top_k, gated=True, config=c
+    down_spec = expert_gemm_fp8.expert_down_fp8_spec(
+        spec_q, spec_s, q2, s2, offsets, pairs, weights, num_out=num_pairs, dtype=BF16
+    )
+    return {
+        "up": (
+            lambda c: expert_gemm_fp8.expert_up_fp8(
+                x_q, x_s, q13, s13, offsets, pairs, act_q, act_s, top_k=k, gated=True, config=c
+            ),
+            lambda: dequantize_activations(act_q, act_s),
+            dequantize_activations(spec_q, spec_s),
+            slice(0, num_pairs),
         ),
-        "down": lambda c: expert_gemm.expert_down(
-            up_spec, w2, offsets, pairs, weights, per_pair, config=c
+        "down": (
+            lambda c: expert_gemm_fp8.expert_down_fp8(
+                spec_q, spec_s, q2, s2, offsets, pairs, weights, per_pair, config=c
+            ),
+            lambda: per_pair,
+            down_spec,
+            served,
         ),
     }
-    result: dict = {"shape": shape.name, "tokens": tokens, "bucket": bucket}
-    for gemm, run in runs.items():
+
+
+def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool) -> dict:
+    """Best config of each GEMM for (shape, T), with every candidate's time."""
+    runs = _runs(shape, tokens, device, fp8)
+    bucket = rows_bucket(tokens * shape.top_k, shape.num_local)
+    result: dict = {"shape": shape.name, "tokens": tokens, "bucket": bucket, "fp8": fp8}
+    for gemm, (run, got, want, rows) in runs.items():
         timings = {}
-        for config in candidates(bucket):
+        tried = fp8_candidates(bucket, gemm) if fp8 else candidates(bucket)
+        for config in tried:
             try:
                 timings[config] = time_ms(lambda c=config, run=run: run(c), iters, warmup=2)
             except Exception as error:  # out of shared memory / registers: not a candidate
                 print(f"  {gemm} {config}: {type(error).__name__}", file=sys.stderr)
         best = min(timings, key=timings.__getitem__)
         run(best)
-        got, want = (act, up_spec) if gemm == "up" else (per_pair, down_spec)
-        rows = pairs[: int(offsets[-1])].long() if gemm == "down" else slice(0, num_pairs)
-        error = (got[rows].float() - want[rows].float()).norm() / want[rows].float().norm()
-        if not error < 1e-2:
+        diff = got()[rows].float() - want[rows].float()
+        error = diff.norm() / want[rows].float().norm()
+        if not error < 2e-2:
             raise AssertionError(f"{shape.name} T={tokens} {gemm} {best}: relative error {error}")
         n, k = (
             (shape.intermediate, shape.hidden)
@@ -143,13 +234,16 @@ def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int) -> d
             else (shape.hidden, shape.intermediate)
         )
         result[gemm] = {
-            "key": shape_key(gemm, shape.num_local, n, k, gated=True),
+            "key": shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8),
             "best": best.to_json(),
             "best_ms": timings[best],
             "rel_error": float(error),
             "tried": [[c.to_json(), ms] for c, ms in sorted(timings.items(), key=lambda t: t[1])],
         }
-        print(f"{shape.name} T={tokens} bucket={bucket} {gemm}: {timings[best]:.4f} ms {best}")
+        label = "fp8 " if fp8 else ""
+        print(
+            f"{shape.name} T={tokens} bucket={bucket} {label}{gemm}: {timings[best]:.4f} ms {best}"
+        )
     return result
 
 
@@ -170,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--iters", type=int, default=10, help="timed runs per candidate")
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "fp8_block"),
+        default="none",
+        help="tune the bf16 GEMMs (none) or the fp8 block-scale GEMMs",
+    )
     parser.add_argument("--table", type=Path, default=table_path(), help="the table to update")
     parser.add_argument("--json", type=Path, help="also write every candidate's time here")
     args = parser.parse_args(argv)
@@ -179,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     device_name = torch.cuda.get_device_name(device)
     document = json.loads(args.table.read_text()) if args.table.exists() else {}
-    document["command"] = "python -m ep_runtime.bench.tune_experts"
+    document["command"] = "python -m ep_runtime.bench.tune_experts [--quantization fp8_block]"
     results = []
     for name in args.shapes:
         for tokens in args.tokens:
-            results.append(tune_point(SHAPES[name], tokens, device, args.iters))
+            fp8 = args.quantization == "fp8_block"
+            results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8))
             merge(document, device_name, results[-1:])  # written as it goes: a cut run keeps it
             args.table.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     if args.json is not None:

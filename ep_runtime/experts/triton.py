@@ -161,15 +161,13 @@ class TritonExperts(Experts):
         """(up, down) tile configs for about ``served_pairs`` grouped rows (cached per bucket)."""
         bucket = self._tiles.rows_bucket(served_pairs, self.num_local)
         configs = self._configs.get(bucket)
-        if configs is None and self.fp8 is not None:
-            configs = tuple(
-                self._tiles.heuristic_fp8(gemm, served_pairs, self.num_local, self.interpret)
-                for gemm in ("up", "down")
-            )
-            self._configs[bucket] = configs
         if configs is None:
             select = self._tiles.select
-            common = {"rows": served_pairs, "interpret": self.interpret}
+            common = {
+                "rows": served_pairs,
+                "fp8": self.fp8 is not None,
+                "interpret": self.interpret,
+            }
             configs = (
                 select(
                     self.device_name,

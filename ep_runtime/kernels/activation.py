@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ep_runtime.kernels.triton_common import (
     cdiv,
     exp_fp32,
-    jit,
+    kernel,
     rounded,
     row_block,
     stride_units,
@@ -37,7 +37,7 @@ def torch_weighted_activation(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _activation_kernel(
     h,  # [N, 2I] ([gate | up]) or [N, I]
     h_rows,  # row stride in units of H_UNIT elements

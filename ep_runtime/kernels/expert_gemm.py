@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 # --------------------------------------------------------------------------- torch spec
@@ -135,7 +135,7 @@ def _expert_tile(
     return tile_m, tile_n, expert, first_tile, row_start, row_end
 
 
-@triton.jit(do_not_specialize=["tiles_m"])  # it varies with the rows: one compile serves all
+@kernel(do_not_specialize=["tiles_m"])  # it varies with the rows: one compile serves all
 def _up_kernel(
     x,  # [R, H]
     stride_xm,
@@ -230,7 +230,7 @@ def _up_kernel(
         tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
 
 
-@triton.jit(do_not_specialize=["tiles_m", "num_rows"])
+@kernel(do_not_specialize=["tiles_m", "num_rows"])
 def _down_kernel(
     act,  # [P, I]
     stride_am,

@@ -24,7 +24,7 @@ import triton.language as tl
 from ep_runtime.kernels.expert_gemm import _activate, _expert_tile, _groups, row_tiles
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 from ep_runtime.quantization import (
     BLOCK,
@@ -106,7 +106,7 @@ def _scaled_step(acc, a, a_scale, b, b_scale, SWAP: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["tiles_m"])
+@kernel(do_not_specialize=["tiles_m"])
 def _up_fp8_kernel(
     x,  # [R, H] e4m3
     stride_xm,
@@ -188,7 +188,7 @@ def _up_fp8_kernel(
         tl.store(outs + p64 * stride_osm + tile_n, scale, mask=ok_m)
 
 
-@triton.jit(do_not_specialize=["tiles_m", "num_rows"])
+@kernel(do_not_specialize=["tiles_m", "num_rows"])
 def _down_fp8_kernel(
     act,  # [P, I] e4m3
     stride_am,

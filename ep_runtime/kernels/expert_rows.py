@@ -14,10 +14,9 @@ Both are deterministic (no atomics) and read nothing on the host.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from ep_runtime.kernels.triton_common import cdiv, pow2
+from ep_runtime.kernels.triton_common import cdiv, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 SORT_BLOCK = 4096  # pairs one program scans per step (each step waits on two reductions)
@@ -67,7 +66,7 @@ def sum_slots_spec(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@kernel(do_not_specialize=["num_pairs"])
 def _sort_kernel(
     ids,  # [R, K] int32/int64
     stride_r,
@@ -107,7 +106,7 @@ def _sort_kernel(
         running += tl.sum(mine.to(tl.int32), 0)
 
 
-@triton.jit
+@kernel
 def _sum_kernel(
     y,  # [R·K, H]
     stride_y,

@@ -53,9 +53,12 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool) -> str:
+def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool, fp8: bool = False) -> str:
+    """The table key; the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``) have their own
+    entries (prefix ``fp8_``): other operand widths, BLOCK_K fixed at 128."""
     suffix = "_gated" if gated and gemm == "up" else ""
-    return f"{gemm}_L{num_local}_N{n}_K{k}{suffix}"
+    prefix = "fp8_" if fp8 else ""
+    return f"{prefix}{gemm}_L{num_local}_N{n}_K{k}{suffix}"
 
 
 @functools.cache
@@ -98,11 +101,10 @@ def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileCo
     return TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
 
 
-def heuristic_fp8(gemm: str, rows: int, num_local: int, interpret: bool) -> TileConfig:
+def heuristic_fp8(gemm: str, bucket: int, interpret: bool) -> TileConfig:
     """A config of the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``): BLOCK_K = 128
     (one scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per
     tile row). Decode swaps the tile (weight rows on the matrix unit's M side)."""
-    bucket = rows_bucket(rows, num_local)
     if interpret:
         return TileConfig(16, 128, 128, num_stages=1)
     narrow = 64 if gemm == "down" else 128  # GEMM2's output tiles may be narrower
@@ -122,12 +124,17 @@ def select(
     gated: bool,
     rows: int,
     *,
+    fp8: bool = False,
     interpret: bool = False,
 ) -> TileConfig:
-    """The config for ``rows`` grouped rows: tuned entry (nearest bucket), else the heuristic."""
+    """The config for ``rows`` grouped rows: tuned entry (nearest bucket), else the heuristic
+    (``fp8``: of the block-scale GEMMs)."""
     bucket = rows_bucket(rows, num_local)
-    tuned = {} if interpret else _table(device_name).get(shape_key(gemm, num_local, n, k, gated))
+    key = shape_key(gemm, num_local, n, k, gated, fp8)
+    tuned = {} if interpret else _table(device_name).get(key)
     if tuned:
         nearest = min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
         return tuned[nearest]
+    if fp8:
+        return heuristic_fp8(gemm, bucket, interpret)
     return heuristic(gemm, bucket, n, k, interpret)

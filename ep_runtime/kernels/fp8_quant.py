@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, jit, pow2, tl
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, jit, kernel, pow2, tl
 from ep_runtime.quantization import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, quantize_activations
 
 MAX_GROUPS = 16  # groups of 128 columns one program quantizes (2048 columns)
@@ -50,7 +50,7 @@ def quantize_groups(values, axis: tl.constexpr):
     return to_e4m3(ratio), scale
 
 
-@jit
+@kernel
 def _quantize_kernel(
     x,  # [N, K] compute dtype
     stride_x,

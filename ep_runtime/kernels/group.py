@@ -12,6 +12,7 @@ from ep_runtime.kernels.triton_common import (
     TILE_ELEMENTS,
     cdiv,
     jit,
+    kernel,
     pow2,
     row_block,
     stride_units,
@@ -87,7 +88,7 @@ def _served_experts(
     return tl.where(served, local, 0).to(tl.int32), served
 
 
-@jit
+@kernel
 def _group_count_kernel(
     topk_ids,  # [R, K] int32
     ids_stride_r,
@@ -114,7 +115,7 @@ def _group_count_kernel(
     tl.store(block_counts + block * LP + e, counts)
 
 
-@jit
+@kernel
 def _group_place_kernel(
     topk_ids,  # [R, K] int32
     ids_stride_r,
@@ -167,7 +168,7 @@ def _group_place_kernel(
         tl.store(source_pair + position, pairs, mask=placed)
 
 
-@jit
+@kernel
 def _group_gather_kernel(
     hidden,  # [R, H]
     hidden_rows,  # row stride in units of UNIT elements

@@ -27,7 +27,7 @@ from ep_runtime.kernels.triton_common import (
     HINTS,
     capacity_arg,
     device_chunk_starts,
-    jit,
+    kernel,
     pow2,
     tl,
 )
@@ -108,7 +108,7 @@ def torch_record_headers(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _record_headers_kernel(
     received,  # [W, HEADER_INTS] int32
     received_stride,
@@ -185,7 +185,7 @@ def triton_record_headers(
     )
 
 
-@jit
+@kernel
 def _chunk_headers_kernel(
     buffer,  # [S · row_bytes] uint8
     header,  # [W, HEADER_BYTES] uint8 (read: out) or [HEADER_BYTES] (write: in)

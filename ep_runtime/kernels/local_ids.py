@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.kernels.triton_common import TILE_ELEMENTS, cdiv, jit, pow2, tl
+from ep_runtime.kernels.triton_common import TILE_ELEMENTS, cdiv, kernel, pow2, tl
 from ep_runtime.placement import LocalExperts
 
 
@@ -24,7 +24,7 @@ def torch_local_ids(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _local_ids_kernel(
     topk_ids,  # [R, K] int32
     ids_stride_r,

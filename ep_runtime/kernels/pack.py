@@ -19,7 +19,7 @@ from ep_runtime.kernels.triton_common import (
     capacity_arg,
     cdiv,
     device_chunk_starts,
-    jit,
+    kernel,
     pow2,
     row_block,
     stride_units,
@@ -82,7 +82,7 @@ def torch_pack_rows(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _pack_kernel(
     x,  # [T, H] compute dtype
     x_rows,  # row stride in units of X_UNIT elements

@@ -28,7 +28,7 @@ from ep_runtime.kernels.triton_common import (
     F_TOP_K,
     HINTS,
     TILE_ELEMENTS,
-    jit,
+    kernel,
     pow2,
     tl,
 )
@@ -104,7 +104,7 @@ def torch_route_tokens(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _route_kernel(
     topk_ids,  # [T, K] int32/int64
     ids_stride_t,

@@ -12,7 +12,7 @@ from ep_runtime.kernels.layout import ChunkLayout, chunk_starts
 from ep_runtime.kernels.triton_common import (
     capacity_arg,
     cdiv,
-    jit,
+    kernel,
     pow2,
     rounded,
     row_block,
@@ -56,7 +56,7 @@ def torch_sum_rows(
 
 
 # --------------------------------------------------------------------------- Triton
-@jit
+@kernel
 def _sum_kernel(
     source,  # [S, H]
     source_rows,  # row stride in units of SOURCE_UNIT elements
