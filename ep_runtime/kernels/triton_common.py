@@ -59,8 +59,8 @@ class LaunchedKernel:
         if (
             not _FAST_LAUNCH
             or fn.pre_run_hooks
-            or runtime.launch_enter_hook is not None
-            or runtime.launch_exit_hook is not None
+            or _hooked(runtime.launch_enter_hook)
+            or _hooked(runtime.launch_exit_hook)
         ):
             return fn[grid](*args, **kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or runtime.debug
@@ -80,7 +80,7 @@ class LaunchedKernel:
             kernel.function,
             kernel.packed_metadata,
             None,  # launch metadata: only launch hooks read it, and none is set
-            None,
+            None,  # the (empty) enter and exit hooks: the launcher calls nothing
             None,
             *bound.values(),
         )
@@ -90,6 +90,12 @@ class LaunchedKernel:
 # the fast path reads JITFunction internals as of Triton 3.6 (checked on the H200): other
 # versions take JITFunction.run
 _FAST_LAUNCH = HAS_TRITON and not _INTERPRETING and triton.__version__.startswith("3.6.")
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook would do anything: Triton 3.6 holds an always-present
+    ``HookChain`` (empty unless a profiler added a call); a plain callable counts as set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def kernel(fn: Callable[..., Any] | None = None, *, do_not_specialize: Sequence[str] = ()) -> Any:
