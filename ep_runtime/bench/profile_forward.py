@@ -4,6 +4,12 @@ per forward.
 
     python -m ep_runtime.bench.profile_forward --point qwen3-30b-a3b-decode --forwards 50
     python -m ep_runtime.bench.profile_forward --device cpu --point tiny-decode --forwards 500
+    python -m ep_runtime.bench.profile_forward --experts triton --launch-split --no-profile
+
+``--launch-split`` (CUDA) splits the host time to issue a forward, all in one run: with our
+kernels launched through ``LaunchedKernel``'s fast path, through Triton's ``JITFunction.run``
+(the fast path off), the time spent inside the launches, and with every launch a no-op (the
+layer's own Python and torch calls alone; the device does nothing, so this is host only).
 
 On CUDA, "to issue" is the host's time per forward (forwards issued back to back, no sync), "to
 finish" includes the device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the
@@ -25,6 +31,7 @@ import time
 import torch
 
 from ep_runtime.bench.layer import POINTS, Point, build_layer, inputs
+from ep_runtime.kernels import triton_common
 
 # small shapes for finding Python overhead on any machine (world size 1, grouped_mm)
 TINY_POINTS = {
@@ -41,6 +48,56 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def issue_us(layer, x, ids, weights, forwards: int, repeats: int, device) -> float:
+    """Best over ``repeats`` of the host's µs per forward to issue ``forwards`` back to back."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(forwards):
+            layer(x, ids, weights)
+        best = min(best, time.perf_counter() - start)
+        sync(device)
+    return best / forwards * 1e6
+
+
+def launch_split(layer, x, ids, weights, forwards: int, repeats: int, device) -> None:
+    """Host µs per forward: fast launches, Triton's launcher, time inside launches, no-ops."""
+    launched = triton_common.LaunchedKernel
+    original = launched.launch
+    inside = [0.0, 0]
+
+    def timed(self, grid, args, kwargs):
+        start = time.perf_counter()
+        result = original(self, grid, args, kwargs)
+        inside[0] += time.perf_counter() - start
+        inside[1] += 1
+        return result
+
+    rows = []
+    fast_before = triton_common._FAST_LAUNCH
+    try:
+        for label, fast, patch in (
+            ("fast launch", True, None),
+            ("Triton's JITFunction.run", False, None),
+            ("fast launch, timed inside", True, timed),
+            ("every launch a no-op", True, lambda self, grid, args, kwargs: None),
+        ):
+            triton_common._FAST_LAUNCH = fast
+            launched.launch = patch or original
+            inside[:] = [0.0, 0]
+            host = issue_us(layer, x, ids, weights, forwards, repeats, device)
+            calls = inside[1] // (forwards * repeats) if inside[1] else 0
+            within = inside[0] / (forwards * repeats) * 1e6 if inside[1] else None
+            rows.append((label, host, calls, within))
+    finally:
+        triton_common._FAST_LAUNCH = fast_before
+        launched.launch = original
+    for label, host, calls, within in rows:
+        extra = f", {within:.1f} us inside {calls} launches" if within is not None else ""
+        print(f"  {label:28s} {host:7.1f} us/forward to issue{extra}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ep_runtime.bench.profile_forward", description=__doc__.splitlines()[0]
@@ -54,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forwards", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--experts", default="grouped_mm", help="the experts backend")
     parser.add_argument("--no-profile", action="store_true", help="only the time per forward")
+    parser.add_argument(
+        "--launch-split",
+        action="store_true",
+        help="CUDA, capacity mode: host time with fast launches, Triton's, and no-op launches",
+    )
     args = parser.parse_args(argv)
     point = points[args.point]
     overrides = {"mode": args.mode, "layout": args.layout}
@@ -64,8 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if use_cuda else torch.float32
     )
+    if args.launch_split and (not use_cuda or point.mode != "capacity"):
+        parser.error(  # no-op launches leave exact mode's sizes unwritten: it would read garbage
+            f"--launch-split needs CUDA and capacity mode, given {device.type} and {point.mode}"
+        )
     w13, w2, x, ids, weights = inputs(point, device, dtype=dtype)
-    layer = build_layer(point, device, dtype=dtype)
+    layer = build_layer(point, device, dtype=dtype, experts=args.experts)
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
@@ -80,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         sync(device)
         done = min(done, time.perf_counter() - start)
     print(
-        f"{point.name} ({point.mode}, {point.layout}, T={point.tokens}, {dtype}, "
+        f"{point.name} ({point.mode}, {point.layout}, {args.experts}, T={point.tokens}, {dtype}, "
         f"{device.type}): host "
         f"{issued / args.forwards * 1e6:.1f} us/forward to issue, "
         f"{done / args.forwards * 1e6:.1f} us/forward to finish, "
         f"{cpu / args.forwards * 1e6:.1f} us/forward of this process's CPU time to issue"
     )
+    if args.launch_split:
+        launch_split(layer, x, ids, weights, args.forwards, args.repeats, device)
     if not args.no_profile:
         profile = cProfile.Profile()
         profile.enable()
