@@ -22,12 +22,11 @@ from tests.multigpu.rank_inputs import CaseSpec
 
 GROUP_TIMEOUT_S = 60.0
 WITHIN_S = 15.0
-# every pair of values of (world, mode, layout) appears once: 4 cases instead of 8 per test
 SETUPS = [
-    (2, "exact", "standard"),
-    (2, "capacity", "expanded"),
-    (3, "exact", "expanded"),
-    (3, "capacity", "standard"),
+    (world, mode, layout)
+    for world in (2, 3)
+    for mode in ("exact", "capacity")
+    for layout in ("standard", "expanded")
 ]
 _POOLS: dict[tuple[int, bool], RankPool] = {}
 
@@ -195,12 +194,11 @@ def run_dying_group(world: int, victim: int, scenario: str, mode: str, layout: s
     return reactions, [p.returncode for p in processes], [err for _, err in outputs]
 
 
-# each scenario once; each set-up sees a raise and a kill, one before and one inside a forward
+# every scenario in both set-ups
 DYING = [
-    (2, "exact", "standard", "raise_before"),
-    (2, "exact", "standard", "kill_inside"),
-    (3, "capacity", "expanded", "raise_inside"),
-    (3, "capacity", "expanded", "kill_before"),
+    (*setup, scenario)
+    for setup in ((2, "exact", "standard"), (3, "capacity", "expanded"))
+    for scenario in ("raise_before", "raise_inside", "kill_before", "kill_inside")
 ]
 
 
@@ -225,14 +223,12 @@ def test_a_dying_rank_is_named(world, mode, layout, scenario) -> None:
         assert reaction["seconds"] < WITHIN_S, reaction
 
 
-# every fault at both world sizes and in both layouts (each (world, layout) pair in some case)
+# every fault at both world sizes in both layouts
 DEVICE_FAULTS = [
-    (2, "standard", "experts"),
-    (3, "expanded", "experts"),
-    (2, "expanded", "input"),
-    (3, "standard", "input"),
-    (2, "standard", "layer"),
-    (3, "expanded", "layer"),
+    (world, layout, fault)
+    for world in (2, 3)
+    for layout in ("standard", "expanded")
+    for fault in ("experts", "input", "layer")
 ]
 
 
