@@ -25,8 +25,10 @@ import torch.multiprocessing as mp
 from ep_runtime.launch.network import apply_interface_defaults
 from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 
-# collective timeout; raise it where first-use JIT (DeepEP) stalls a rank for longer
-GROUP_TIMEOUT_S = float(os.environ.get("EP_TEST_GROUP_TIMEOUT_S", "20"))
+# collective timeout: a hung case fails after it; it must outlast the slowest rank's work
+# between two collectives (the Triton interpreter's cases, with two pytest workers sharing two
+# cores, took over 20 s); raise it where first-use JIT (DeepEP) stalls a rank for longer
+GROUP_TIMEOUT_S = float(os.environ.get("EP_TEST_GROUP_TIMEOUT_S", "60"))
 BACKEND_MODULES_ENV = "EP_TEST_BACKEND_MODULES"  # modules registering test-defined backends
 
 
