@@ -43,7 +43,8 @@ class LaunchedKernel:
     ``JITFunction.run`` would pick, under the same cache key); a known variant is then launched
     straight through its compiled launcher, skipping what our kernels never need per call: the
     check of changed globals (ours are constants), the launch hooks' metadata, grid callables.
-    On the H200 that is ~30 → ~13 µs a launch (BENCHMARKS.md). The first call of a variant, and
+    On the H200 that saved 7–19 µs of a 35–60 µs launch (BENCHMARKS.md, ``profile_forward
+    --launch-split``). The first call of a variant, and
     every call under the interpreter, with launch hooks set (a profiler) or pre-run hooks,
     goes through ``JITFunction.run`` itself."""
 
