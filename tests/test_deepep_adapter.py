@@ -40,61 +40,23 @@ from tests.deepep_imitation import (
     imitation_library,
     register_imitation,
 )
-from tests.multigpu import checks, deepep_cases, dispatch_cases, fp8_cases, rank_inputs
-from tests.multigpu.conftest import get_pool
+from tests.imitation_suite import LAYOUTS, MODES, imitation_suite
+from tests.multigpu import checks, deepep_cases, dispatch_cases, fp8_cases
 from tests.multigpu.deepep_cases import HIDDEN
 from tests.multigpu.rank_inputs import CaseSpec
 
 IMITATION = ImitationBackedDeepEP.name
-LAYOUTS = ("standard", "expanded")
-MODES = ("exact", "capacity")
 
 
-@pytest.fixture
-def imitation_pool():
-    """A pool of gloo ranks with the imitation-backed dispatcher registered in each."""
-
-    def get(world_size: int):
-        pool = get_pool(world_size)
-        if pool.backend != "gloo":
-            pytest.skip(
-                f"the imitation runs on CPU (gloo) ranks, this pool is {pool.backend}; "
-                "the real library is tested in tests/multigpu/test_deepep_real.py"
-            )
-        pool.run_ok(register_imitation)
-        return pool
-
-    return get
-
-
-# ------------------------------------------------------------------ the layer, multi-rank
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
-@pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts, activation):
-    spec = CaseSpec(
-        dispatcher=IMITATION, experts=experts, layout=layout, mode=mode, activation=activation
+globals().update(
+    imitation_suite(
+        IMITATION,
+        register_imitation,
+        world_sizes=(1, 2),
+        activations=("silu", "relu2"),
+        skip_note="; the real library is tested in tests/multigpu/test_deepep_real.py",
     )
-    checks.run_layer_cases(imitation_pool(world_size), spec)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
-def test_edge_cases(imitation_pool, edge, layout, mode):
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.run_layer_cases(
-        imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
-    )
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
-    """Rank 0 needs 3 chunks, rank 1 one: rank 1 keeps dispatching empty slices."""
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
-    checks.run_layer_cases(imitation_pool(2), spec)
+)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -138,22 +100,6 @@ def test_fp8_poison_mode_matches_clean_run(imitation_pool, layout):
     pool = imitation_pool(2)
     spec = CaseSpec(dispatcher=IMITATION, layout=layout, mode="capacity", **fp8_cases.FP8_SHAPES)
     checks.assert_poison_matches_clean(partial(pool.run_ok, fp8_cases.run_fp8_case), spec)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
-    pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
-
-
-@pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
-def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
-    pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
-    run = partial(checks.run_layer_cases, pool)
-    checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)
 
 
 # ------------------------------------------------------------------ the adapter, one process

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -26,8 +25,8 @@ from ep_runtime.dispatch.torch_symm_mem import TorchSymmMemDispatcher
 from ep_runtime.types import Dispatched, DispatchMode, EPInputError, TopkLayout
 from tests.comms import comm_without_group
 from tests.conftest import EXPECTED_SKIPS_WITH_CUDA
-from tests.multigpu import checks, dispatch_cases, rank_inputs
-from tests.multigpu.conftest import get_pool
+from tests.imitation_suite import LAYOUTS, MODES, imitation_suite
+from tests.multigpu import dispatch_cases, rank_inputs
 from tests.multigpu.expectations import expected_refusal
 from tests.multigpu.rank_inputs import CaseSpec
 from tests.symm_mem_imitation import (
@@ -37,8 +36,6 @@ from tests.symm_mem_imitation import (
 )
 
 IMITATION = ImitationBackedSymmMem.name
-LAYOUTS = ("standard", "expanded")
-MODES = ("exact", "capacity")
 LAYER = LayerIdentity(fingerprint=1, index=0)
 
 
@@ -218,41 +215,7 @@ def test_a_call_past_the_cap_is_an_input_error():
 
 
 # ------------------------------------------------------------------ multi-rank, gloo
-@pytest.fixture
-def imitation_pool():
-    def get(world_size: int):
-        pool = get_pool(world_size)
-        if pool.backend != "gloo":
-            pytest.skip(f"the imitation runs on CPU (gloo) ranks, this pool is {pool.backend}")
-        pool.run_ok(register_imitation)
-        return pool
-
-    return get
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("experts", ["reference", "grouped_mm"])
-def test_layer_matches_reference(imitation_pool, world_size, mode, layout, experts):
-    spec = CaseSpec(dispatcher=IMITATION, experts=experts, layout=layout, mode=mode)
-    checks.run_layer_cases(imitation_pool(world_size), spec)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("edge", list(rank_inputs.EDGE_CASES))
-def test_edge_cases(imitation_pool, edge, layout, mode):
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.run_layer_cases(
-        imitation_pool(2), rank_inputs.with_spec(spec, **rank_inputs.EDGE_CASES[edge])
-    )
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_exact_mode_chunks_past_the_cap(imitation_pool, layout):
-    spec = CaseSpec(dispatcher=IMITATION, layout=layout, **rank_inputs.CHUNKED_PAST_CAP)
-    checks.run_layer_cases(imitation_pool(2), spec)
+globals().update(imitation_suite(IMITATION, register_imitation, world_sizes=(2, 4)))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -311,19 +274,3 @@ def compare_with_torch_a2a(spec: CaseSpec) -> int:
 def test_equals_torch_a2a_on_the_same_inputs(imitation_pool, world_size, mode, layout):
     spec = CaseSpec(layout=layout, mode=mode, tokens=(9, 3, 0, 12)[:world_size])
     assert sum(imitation_pool(world_size).run_ok(compare_with_torch_a2a, spec)) > 0
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_poison_mode_matches_clean_run(imitation_pool, mode, layout):
-    pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm", layout=layout, mode=mode)
-    checks.assert_poison_matches_clean(partial(checks.run_layer_cases, pool), spec)
-
-
-@pytest.mark.parametrize(("fault", "mode"), checks.BAD_INPUTS)
-def test_bad_input_on_one_rank_fails_every_rank(imitation_pool, fault, mode):
-    pool = imitation_pool(2)
-    spec = CaseSpec(dispatcher=IMITATION, experts="grouped_mm")
-    run = partial(checks.run_layer_cases, pool)
-    checks.assert_bad_input_fails_every_rank(pool, run, spec, fault, mode)
