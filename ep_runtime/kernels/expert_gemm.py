@@ -135,6 +135,55 @@ def _expert_tile(
     return tile_m, tile_n, expert, first_tile, row_start, row_end
 
 
+@triton.jit
+def _row_sources(pairs, p, ok_m, top_k, SORTED: tl.constexpr):
+    """int64 ``[BM]`` rows of A that grouped rows ``p`` read: ``pairs[p] // top_k`` (the sorted
+    pairs of STANDARD), or ``p`` itself (EXPANDED: rows already grouped)."""
+    if SORTED:  # noqa: SIM108 (a constexpr branch: pairs is read only when sorted)
+        source = tl.load(pairs + p, mask=ok_m, other=0) // top_k
+    else:
+        source = p
+    return source.to(tl.int64)
+
+
+@triton.jit
+def _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED: tl.constexpr):
+    """``(dest [BM] int64, router weight [BM] fp32)`` of grouped rows ``p``: the pair's row of
+    the per-pair output and its slot's weight (SORTED), or the row itself and its one weight."""
+    if SORTED:
+        dest = tl.load(pairs + p, mask=ok_m, other=0)
+        row = dest // top_k
+        slot = dest % top_k
+    else:
+        dest = p
+        row = p
+        slot = 0
+    weight = tl.load(weights + row * stride_rr + slot * stride_rk, mask=ok_m, other=0.0)
+    return dest.to(tl.int64), weight.to(tl.float32)
+
+
+@triton.jit
+def _zero_padding_tile(
+    out,
+    stride_om,
+    offsets,
+    num_local,
+    tile_m,
+    first_tile,
+    num_rows,
+    n,
+    ok_n,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """A spare tile (past the real ones) zeroes EXPANDED padding tile ``tile_m - first_tile``:
+    rows from ``offsets[L]`` on, below ``num_rows``."""
+    p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
+    o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
+    zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
+    tl.store(o_ptrs, zero, mask=(p < num_rows)[:, None] & ok_n[None, :])
+
+
 @kernel(do_not_specialize=["tiles_m"])  # it varies with the rows: one compile serves all
 def _up_kernel(
     x,  # [R, H]
@@ -172,14 +221,11 @@ def _up_kernel(
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        if SORTED:  # noqa: SIM108 (a constexpr branch: pairs is read only when sorted)
-            source = tl.load(pairs + p, mask=ok_m, other=0) // top_k
-        else:
-            source = p
+        source = _row_sources(pairs, p, ok_m, top_k, SORTED)
         n = tile_n * BN + tl.arange(0, BN)
         ok_n = n < width
         kk = tl.arange(0, BK)
-        a_ptrs = x + source.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk
+        a_ptrs = x + source[:, None] * stride_xm + kk[None, :] * stride_xk
         g_ptrs = (
             w + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
         )
@@ -274,15 +320,7 @@ def _down_kernel(
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        if SORTED:
-            dest = tl.load(pairs + p, mask=ok_m, other=0)
-            row = dest // top_k
-            slot = dest % top_k
-        else:
-            dest = p
-            row = p
-            slot = 0
-        weight = tl.load(weights + row * stride_rr + slot * stride_rk, mask=ok_m, other=0.0)
+        dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
         kk = tl.arange(0, BK)
         a_ptrs = act + p.to(tl.int64)[:, None] * stride_am + kk[None, :]
         b_ptrs = (
@@ -310,17 +348,34 @@ def _down_kernel(
             b_ptrs += BK * stride_wk
         if SWAP:
             acc = tl.trans(acc)
-        result = acc * weight.to(tl.float32)[:, None]
-        o_ptrs = out + dest.to(tl.int64)[:, None] * stride_om + n[None, :]
+        result = acc * weight[:, None]
+        o_ptrs = out + dest[:, None] * stride_om + n[None, :]
         tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
     elif ZERO_PAD:
-        p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
-        o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
-        zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
-        tl.store(o_ptrs, zero, mask=(p < num_rows)[:, None] & ok_n[None, :])
+        _zero_padding_tile(
+            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, n, ok_n, BM, BN
+        )
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+def down_launch(
+    num_grouped: int,
+    num_local: int,
+    width: int,
+    pairs: torch.Tensor | None,
+    out: torch.Tensor,
+    config: TileConfig,
+) -> tuple[tuple[int], int] | None:
+    """``(grid, tiles_m)`` of a GEMM2 launch (bf16 or fp8), or None when there is nothing to
+    compute (no rows or no columns: EXPANDED's output, every row padding, is zeroed here)."""
+    if num_grouped == 0 or width == 0:
+        if pairs is None:
+            out.zero_()
+        return None
+    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
+    return (tiles_m * cdiv(width, config.block_n),), tiles_m
 
 
 def row_tiles(num_grouped: int, num_local: int, block_m: int) -> int:
@@ -398,12 +453,10 @@ def expert_down(
 ) -> torch.Tensor:
     num_grouped, depth = act.shape
     num_local, width, _ = w2.shape
-    if num_grouped == 0 or width == 0:
-        if pairs is None:
-            out.zero_()
+    launch = down_launch(num_grouped, num_local, width, pairs, out, config)
+    if launch is None:
         return out
-    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * cdiv(width, config.block_n),)
+    grid, tiles_m = launch
     _down_kernel[grid](
         act,
         act.stride(0),

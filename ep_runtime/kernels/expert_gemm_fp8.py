@@ -21,10 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_runtime.kernels.expert_gemm import _activate, _expert_tile, _groups, row_tiles
+from ep_runtime.kernels.expert_gemm import (
+    _activate,
+    _expert_tile,
+    _groups,
+    _row_sources,
+    _row_targets,
+    _zero_padding_tile,
+    down_launch,
+    row_tiles,
+)
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, kernel, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, exp_fp32, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 from ep_runtime.quantization import (
     BLOCK,
@@ -147,11 +156,7 @@ def _up_fp8_kernel(
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        if SORTED:  # noqa: SIM108 (a constexpr branch: pairs is read only when sorted)
-            source = tl.load(pairs + p, mask=ok_m, other=0) // top_k
-        else:
-            source = p
-        source = source.to(tl.int64)
+        source = _row_sources(pairs, p, ok_m, top_k, SORTED)
         n = tile_n * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
@@ -233,15 +238,7 @@ def _down_fp8_kernel(
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        if SORTED:
-            dest = tl.load(pairs + p, mask=ok_m, other=0)
-            row = dest // top_k
-            slot = dest % top_k
-        else:
-            dest = p
-            row = p
-            slot = 0
-        weight = tl.load(weights + row * stride_rr + slot * stride_rk, mask=ok_m, other=0.0)
+        dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
         p64 = p.to(tl.int64)
@@ -260,14 +257,13 @@ def _down_fp8_kernel(
             b_ptrs += BK
         if SWAP:
             acc = tl.trans(acc)
-        result = acc * weight.to(tl.float32)[:, None]
-        o_ptrs = out + dest.to(tl.int64)[:, None] * stride_om + n[None, :]
+        result = acc * weight[:, None]
+        o_ptrs = out + dest[:, None] * stride_om + n[None, :]
         tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
     elif ZERO_PAD:
-        p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
-        o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
-        zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
-        tl.store(o_ptrs, zero, mask=(p < num_rows)[:, None] & ok_n[None, :])
+        _zero_padding_tile(
+            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, n, ok_n, BM, BN
+        )
 
 
 # --------------------------------------------------------------------------- launchers
@@ -351,12 +347,10 @@ def expert_down_fp8(
 ) -> torch.Tensor:
     num_grouped, depth = a_q.shape
     num_local, width, _ = w2.shape
-    if num_grouped == 0 or width == 0:
-        if pairs is None:
-            out.zero_()
+    launch = down_launch(num_grouped, num_local, width, pairs, out, config)
+    if launch is None:
         return out
-    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * cdiv(width, config.block_n),)
+    grid, tiles_m = launch
     _down_fp8_kernel[grid](
         a_q,
         a_q.stride(0),
