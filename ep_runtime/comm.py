@@ -272,11 +272,20 @@ class GroupComm(Comm):
             try:
                 work.wait(timeout)
                 return
-            except Exception as error:
-                if work.is_completed():  # it failed, not a slice that timed out
-                    self._diagnose(error, what)
+            except Exception:
+                if work.is_completed():  # failed, or finished just after the slice timed out
+                    self._wait_completed(work, what)
+                    return
             self._raise_on_trouble(what, settle=work)
             timeout = timedelta(seconds=POLL_EVERY_S)
+
+    def _wait_completed(self, work: dist.Work, what: str) -> None:
+        """A completed ``work``: its own outcome, not the slice's timeout (under load a
+        collective can finish between the slice timing out and the check; that is a success)."""
+        try:
+            work.wait()
+        except Exception as error:
+            self._diagnose(error, what)
 
     def _poll(self, done: Callable[[], bool], what: str) -> None:
         """Until ``done()``: spin briefly, then sleep in short steps, looking for trouble."""

@@ -40,3 +40,47 @@ def test_a_failure_notice_concerns_every_wait() -> None:
     for in_flight in (None, InFlight(layer=2, forward=1)):
         waiting.in_flight = in_flight
         assert waiting._trouble() == (1, "failed inside combine: RuntimeError: boom")
+
+
+class ScriptedWork:
+    """A gloo ``Work`` whose first timed wait times out, as a slice does, though it completes at
+    that moment; afterwards it has ``outcome`` (None: success, else that exception)."""
+
+    def __init__(self, outcome: Exception | None) -> None:
+        self.outcome = outcome
+        self.timed_waits = 0
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None and self.timed_waits == 0:
+            self.timed_waits += 1
+            raise RuntimeError("Operation timed out!")
+        if self.outcome is not None:
+            raise self.outcome
+        return True
+
+    def is_completed(self) -> bool:
+        return self.timed_waits > 0
+
+
+def watched_gloo_rank(monkeypatch) -> GroupComm:
+    comm = two_ranks()[0]
+    monkeypatch.setattr(GroupComm, "backend", property(lambda self: "gloo"))
+    return comm
+
+
+def test_a_collective_finishing_as_its_slice_times_out_is_a_success(monkeypatch) -> None:
+    comm = watched_gloo_rank(monkeypatch)
+    comm._wait(ScriptedWork(outcome=None), "all_to_all")  # returns: no error, group usable
+    comm.check_usable()
+
+
+def test_a_collective_that_failed_is_still_diagnosed(monkeypatch) -> None:
+    import pytest
+
+    from ep_runtime.comm import DIAGNOSE_S
+    from ep_runtime.types import GroupUnusableError
+
+    monkeypatch.setattr("ep_runtime.comm.DIAGNOSE_S", min(DIAGNOSE_S, 0.1))
+    comm = watched_gloo_rank(monkeypatch)
+    with pytest.raises(GroupUnusableError, match="Connection closed by peer"):
+        comm._wait(ScriptedWork(outcome=RuntimeError("Connection closed by peer")), "all_to_all")
