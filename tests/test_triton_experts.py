@@ -255,17 +255,19 @@ def test_shipped_tile_table_is_valid() -> None:
 
 
 def test_auto_picks_it_only_where_measured_faster(monkeypatch) -> None:
-    """SM90 (the H200 the benchmark ran on), caps up to 512 tokens per rank."""
+    """SM90 (the H200 the benchmark ran on): caps up to 512 tokens per rank, any cap at hidden
+    sizes up to 2048 (where it was as fast at prefill)."""
     import ep_runtime.experts.triton as module
 
-    config = MoEConfig(4, 2, 40, 24, dtype=BF16)
-
-    def setup(cap: int) -> ExpertsSetup:
+    def setup(cap: int, hidden: int = 4096) -> ExpertsSetup:
+        config = MoEConfig(4, 2, hidden, 24, dtype=BF16)
         placement = ExpertPlacement(4, 0, 1)
         return ExpertsSetup(config, placement, torch.device("cuda"), BF16, token_cap=cap)
 
     monkeypatch.setattr(module, "cuda_arch", lambda device: 90)
     assert TritonExperts.auto_refusal(setup(512)) is None
-    assert "not at a cap of 4096" in TritonExperts.auto_refusal(setup(4096))
+    assert "not at a cap of 4096 with hidden 4096" in TritonExperts.auto_refusal(setup(4096))
+    assert TritonExperts.auto_refusal(setup(4096, hidden=2048)) is None
+    assert TritonExperts.auto_refusal(setup(65536, hidden=40)) is None
     monkeypatch.setattr(module, "cuda_arch", lambda device: 100)
     assert "not on SM100" in TritonExperts.auto_refusal(setup(128))

@@ -64,9 +64,12 @@ class TritonExperts(Experts):
     )
     auto_priority = 15
     # where "auto" may pick it: measured faster than grouped_mm on the H200 (BENCHMARKS.md) at
-    # T ≤ 512 tokens per rank, eager and as a CUDA graph; at T = 4096 (prefill) it was not
+    # T ≤ 512 tokens per rank, eager and as a CUDA graph; at T = 4096 (prefill) it was slower on
+    # the DeepSeek-V3 shard (H 7168) and as fast or faster on Qwen3-30B-A3B (H 2048, two runs of
+    # 2026-12-02): at H ≤ 2048 any cap
     measured_archs: ClassVar[frozenset[int]] = frozenset({90})
     auto_max_tokens_per_rank: ClassVar[int] = 512
+    auto_any_cap_max_hidden: ClassVar[int] = 2048
 
     @classmethod
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
@@ -88,10 +91,12 @@ class TritonExperts(Experts):
         arch = cuda_arch(setup.device)
         if arch not in cls.measured_archs:
             return f"measured faster than grouped_mm on SM90 only, not on SM{arch}"
-        if setup.token_cap > cls.auto_max_tokens_per_rank:
+        hidden = setup.config.hidden_size
+        if setup.token_cap > cls.auto_max_tokens_per_rank and hidden > cls.auto_any_cap_max_hidden:
             return (
                 f"measured faster than grouped_mm up to {cls.auto_max_tokens_per_rank} tokens "
-                f"per rank, not at a cap of {setup.token_cap} (prefill: grouped_mm was faster)"
+                f"per rank (any cap at hidden ≤ {cls.auto_any_cap_max_hidden}), not at a cap of "
+                f"{setup.token_cap} with hidden {hidden} (prefill: grouped_mm was faster)"
             )
         return None
 
