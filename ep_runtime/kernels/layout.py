@@ -13,6 +13,7 @@ received row's index is the index of its pre-reduced result in the combine send 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,7 +28,8 @@ def _align(num_bytes: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class RowFormat:
     """Byte layout of one packed row. The hidden part is at least a header long, so a header row
-    holds its fields where a token row holds its hidden state, and ``-1`` ids in both."""
+    holds its fields where a token row holds its hidden state, and ``-1`` ids in both. (The
+    sizes and offsets are computed once per format: every forward reads them.)"""
 
     hidden_size: int
     dtype: torch.dtype  # the compute dtype (of the rows handed to pack)
@@ -38,31 +40,31 @@ class RowFormat:
         if self.quantized:  # the header overlays the e4m3 part only (H ≥ 128 > 64 bytes)
             assert self.hidden_size % BLOCK == 0 and self.hidden_size >= HEADER_BYTES
 
-    @property
+    @cached_property
     def hidden_dtype(self) -> torch.dtype:
         """The dtype of the hidden part on the wire."""
         return FP8_DTYPE if self.quantized else self.dtype
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         """Bytes of one token's hidden state on the wire (e4m3 and scales when quantized)."""
         if self.quantized:
             return self.hidden_size + 4 * (self.hidden_size // BLOCK)
         return self.hidden_size * self.dtype.itemsize
 
-    @property
+    @cached_property
     def hidden_bytes(self) -> int:
         return _align(max(self.payload_bytes, HEADER_BYTES), 16)
 
-    @property
+    @cached_property
     def ids_offset(self) -> int:
         return self.hidden_bytes
 
-    @property
+    @cached_property
     def weights_offset(self) -> int:
         return self.hidden_bytes + 4 * self.max_top_k
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         return _align(self.weights_offset + 4 * self.max_top_k, 16)
 
