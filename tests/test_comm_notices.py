@@ -2,10 +2,12 @@
 last one the closing rank took its whole part in (a peer still receiving that forward's rows is
 not stuck: the rows were sent); a dispatcher notice concerns every wait."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from ep_runtime.comm import DISPATCHER_NOTICE, GroupComm, InFlight, _Watch
+from ep_runtime.comm import DIAGNOSE_S, DISPATCHER_NOTICE, GroupComm, InFlight, _Watch
+from ep_runtime.types import GroupUnusableError
 
 
 def two_ranks() -> tuple[GroupComm, GroupComm]:
@@ -75,11 +77,6 @@ def test_a_collective_finishing_as_its_slice_times_out_is_a_success(monkeypatch)
 
 
 def test_a_collective_that_failed_is_still_diagnosed(monkeypatch) -> None:
-    import pytest
-
-    from ep_runtime.comm import DIAGNOSE_S
-    from ep_runtime.types import GroupUnusableError
-
     monkeypatch.setattr("ep_runtime.comm.DIAGNOSE_S", min(DIAGNOSE_S, 0.1))
     comm = watched_gloo_rank(monkeypatch)
     with pytest.raises(GroupUnusableError, match="Connection closed by peer"):

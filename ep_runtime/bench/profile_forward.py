@@ -48,17 +48,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def issue_us(layer, x, ids, weights, forwards: int, repeats: int, device) -> float:
-    """Best over ``repeats`` of the host's µs per forward to issue ``forwards`` back to back."""
-    best = float("inf")
+def time_forwards(
+    layer, x, ids, weights, forwards: int, repeats: int, device
+) -> tuple[float, float, float]:
+    """µs per forward, each the best over ``repeats`` batches of ``forwards`` issued back to
+    back: (to issue, to finish, of this process's CPU time to issue)."""
+    issued = done = cpu = float("inf")
     for _ in range(repeats):
         sync(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(forwards):
             layer(x, ids, weights)
-        best = min(best, time.perf_counter() - start)
+        issued = min(issued, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
         sync(device)
-    return best / forwards * 1e6
+        done = min(done, time.perf_counter() - start)
+    return issued / forwards * 1e6, done / forwards * 1e6, cpu / forwards * 1e6
 
 
 def launch_split(layer, x, ids, weights, forwards: int, repeats: int, device) -> None:
@@ -86,7 +91,7 @@ def launch_split(layer, x, ids, weights, forwards: int, repeats: int, device) ->
             triton_common._FAST_LAUNCH = fast
             launched.launch = patch or original
             inside[:] = [0.0, 0]
-            host = issue_us(layer, x, ids, weights, forwards, repeats, device)
+            host = time_forwards(layer, x, ids, weights, forwards, repeats, device)[0]
             calls = inside[1] // (forwards * repeats) if inside[1] else 0
             within = inside[0] / (forwards * repeats) * 1e6 if inside[1] else None
             rows.append((label, host, calls, within))
@@ -136,22 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
-    issued = done = cpu = float("inf")
-    for _ in range(args.repeats):
-        sync(device)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for _ in range(args.forwards):
-            layer(x, ids, weights)
-        issued = min(issued, time.perf_counter() - start)
-        cpu = min(cpu, time.process_time() - start_cpu)
-        sync(device)
-        done = min(done, time.perf_counter() - start)
+    issued, done, cpu = time_forwards(layer, x, ids, weights, args.forwards, args.repeats, device)
     print(
         f"{point.name} ({point.mode}, {point.layout}, {args.experts}, T={point.tokens}, {dtype}, "
-        f"{device.type}): host "
-        f"{issued / args.forwards * 1e6:.1f} us/forward to issue, "
-        f"{done / args.forwards * 1e6:.1f} us/forward to finish, "
-        f"{cpu / args.forwards * 1e6:.1f} us/forward of this process's CPU time to issue"
+        f"{device.type}): host {issued:.1f} us/forward to issue, {done:.1f} us/forward to "
+        f"finish, {cpu:.1f} us/forward of this process's CPU time to issue"
     )
     if args.launch_split:
         launch_split(layer, x, ids, weights, args.forwards, args.repeats, device)

@@ -35,6 +35,17 @@ def jit(fn: Callable[..., Any]) -> Any:
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+# the fast path reads JITFunction internals as of Triton 3.6 (checked on the H200): other
+# versions take JITFunction.run
+_FAST_LAUNCH = HAS_TRITON and not _INTERPRETING and triton.__version__.startswith("3.6.")
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook would do anything: Triton 3.6 holds an always-present
+    ``HookChain`` (empty unless a profiler added a call); a plain callable counts as set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class LaunchedKernel:
     """A Triton kernel launched without most of ``JITFunction.run``'s per-call Python.
 
@@ -44,9 +55,8 @@ class LaunchedKernel:
     straight through its compiled launcher, skipping what our kernels never need per call: the
     check of changed globals (ours are constants), the launch hooks' metadata, grid callables.
     On the H200 that saved 7–19 µs of a 35–60 µs launch (BENCHMARKS.md, ``profile_forward
-    --launch-split``). The first call of a variant, and
-    every call under the interpreter, with launch hooks set (a profiler) or pre-run hooks,
-    goes through ``JITFunction.run`` itself."""
+    --launch-split``). The first call of a variant, and every call under the interpreter, with
+    launch hooks set (a profiler) or pre-run hooks, goes through ``JITFunction.run`` itself."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn  # the JITFunction (or, without Triton, the plain function)
@@ -86,17 +96,6 @@ class LaunchedKernel:
             *bound.values(),
         )
         return kernel
-
-
-# the fast path reads JITFunction internals as of Triton 3.6 (checked on the H200): other
-# versions take JITFunction.run
-_FAST_LAUNCH = HAS_TRITON and not _INTERPRETING and triton.__version__.startswith("3.6.")
-
-
-def _hooked(hook: Any) -> bool:
-    """Whether a launch hook would do anything: Triton 3.6 holds an always-present
-    ``HookChain`` (empty unless a profiler added a call); a plain callable counts as set."""
-    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def kernel(fn: Callable[..., Any] | None = None, *, do_not_specialize: Sequence[str] = ()) -> Any:
