@@ -94,7 +94,8 @@ def candidates(bucket: int) -> list[TileConfig]:
 
 
 def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
-    """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step) and, for GEMM1,
+    """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step), BLOCK_N dividing 128 (a
+    column tile lies in one weight block: one weight scale per k-step) and, for GEMM1,
     BLOCK_N = 128 (its epilogue quantizes one 128-column group per tile row)."""
     decode = [
         TileConfig(16, 128, 128, 1, 4, 3, swap=True),
@@ -122,7 +123,7 @@ def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
         TileConfig(128, 128, 128, 8, 8, 4),
         TileConfig(128, 128, 128, 16, 8, 3),
         TileConfig(128, 64, 128, 8, 4, 4),
-        TileConfig(128, 256, 128, 8, 8, 3),
+        TileConfig(64, 128, 128, 8, 8, 4),
         TileConfig(256, 128, 128, 8, 8, 3),
     ]
     chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill

@@ -99,19 +99,21 @@ def expert_down_fp8_spec(
 
 
 @triton.jit
-def _scaled_step(acc, a, a_scale, b, b_scale, SWAP: tl.constexpr):
-    """``acc += (a · b) · a_scale · b_scale`` for one 128-deep k-step: ``a [BM, BK]`` e4m3
-    rows with ``a_scale [BM]``, ``b [BK, BN]`` e4m3 with ``b_scale [BN]`` (SWAP: the
-    transposed tile ``[BN, BM]``). Under the interpreter the operands go to fp32 (exact)."""
+def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
+    """``acc += (a · b) · scale`` for one 128-deep k-step: ``a [BM, BK]`` e4m3 rows, ``b [BK,
+    BN]`` e4m3 columns of one weight block, ``scale [BM]`` each row's activation scale times the
+    block's weight scale (SWAP: the transposed tile ``[BN, BM]``). One fused multiply-add per
+    element joins the partial product to the fp32 accumulator. Under the interpreter the
+    operands go to fp32 (exact)."""
     if INTERPRET:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if SWAP:
         part = tl.dot(tl.trans(b), tl.trans(a), out_dtype=tl.float32)
-        acc += part * b_scale[:, None] * a_scale[None, :]
+        acc = tl.fma(part, scale[None, :], acc)
     else:
         part = tl.dot(a, b, out_dtype=tl.float32)
-        acc += part * a_scale[:, None] * b_scale[None, :]
+        acc = tl.fma(part, scale[:, None], acc)
     return acc
 
 
@@ -163,8 +165,8 @@ def _up_fp8_kernel(
         a_ptrs = x + source[:, None] * stride_xm + kk[None, :]
         g_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
         u_ptrs = g_ptrs + width * stride_wn
-        gs_ptrs = ws + e64 * stride_wse + (n // BK) * stride_wsn
-        us_ptrs = gs_ptrs + (width // BK) * stride_wsn
+        gs_ptr = ws + e64 * stride_wse + tile_n * stride_wsn  # the tile's weight block row
+        us_ptr = gs_ptr + (width // BK) * stride_wsn
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
@@ -172,10 +174,10 @@ def _up_fp8_kernel(
             a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
             a_scale = tl.load(xs + source * stride_xsm + k0, mask=ok_m, other=0.0)
             g = tl.load(g_ptrs)
-            acc_g = _scaled_step(acc_g, a, a_scale, g, tl.load(gs_ptrs + k0), SWAP)
+            acc_g = _scaled_step(acc_g, a, g, a_scale * tl.load(gs_ptr + k0), SWAP)
             if GATED:
                 u = tl.load(u_ptrs)
-                acc_u = _scaled_step(acc_u, a, a_scale, u, tl.load(us_ptrs + k0), SWAP)
+                acc_u = _scaled_step(acc_u, a, u, a_scale * tl.load(us_ptr + k0), SWAP)
             a_ptrs += BK
             g_ptrs += BK
             u_ptrs += BK
@@ -244,15 +246,14 @@ def _down_fp8_kernel(
         p64 = p.to(tl.int64)
         a_ptrs = act + p64[:, None] * stride_am + kk[None, :]
         b_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
-        bs_ptrs = ws + e64 * stride_wse + (n // BK) * stride_wsn
+        bs_ptr = ws + e64 * stride_wse + (tile_n * BN // BK) * stride_wsn  # one block: BN | BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
         for k0 in range(0, depth // BK):
             a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
             a_scale = tl.load(acts + p64 * stride_asm + k0, mask=ok_m, other=0.0)
             b = tl.load(b_ptrs, mask=ok_n[None, :], other=0.0)
-            b_scale = tl.load(bs_ptrs + k0, mask=ok_n, other=0.0)
-            acc = _scaled_step(acc, a, a_scale, b, b_scale, SWAP)
+            acc = _scaled_step(acc, a, b, a_scale * tl.load(bs_ptr + k0), SWAP)
             a_ptrs += BK
             b_ptrs += BK
         if SWAP:
@@ -271,6 +272,7 @@ def _down_fp8_kernel(
 
 def _options(config: TileConfig, num_local: int) -> dict:
     assert config.block_k == BLOCK, "fp8 block scales need BLOCK_K = 128"
+    assert BLOCK % config.block_n == 0, "a column tile lies in one weight block: BLOCK_N | 128"
     return {
         "SWAP": config.swap,
         "BM": config.block_m,
