@@ -106,6 +106,10 @@ def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
         TileConfig(16, 64, 128, 1, 4, 4, swap=True),
         TileConfig(16, 64, 128, 1, 4, 5, swap=True),
         TileConfig(16, 64, 128, 1, 2, 4, swap=True),
+        TileConfig(16, 64, 128, 1, 4, 3, swap=True),
+        TileConfig(16, 128, 128, 1, 8, 4, swap=True),
+        TileConfig(16, 128, 128, 1, 2, 4, swap=True),
+        TileConfig(32, 64, 128, 1, 4, 4, swap=True),
     ]
     middle = [
         TileConfig(32, 128, 128, 1, 4, 4, swap=True),
