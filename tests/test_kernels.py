@@ -94,6 +94,7 @@ ROUTE_CASES = [
     (40, 4, 8, 2, True, torch.int32, True),
     (33, 8, 64, 8, False, torch.int64, False),
     (21, 5, 5, 5, True, torch.int32, False),  # one expert per rank
+    (1500, 8, 32, 2, True, torch.int32, False),  # twelve programs (look-back, totals)
 ]
 
 
@@ -139,6 +140,43 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
     assert_bitwise(want_load.cpu(), hand, "slot_load (torch)")
     if drop and T:
         assert int(want_control[Control.BAD_IDS]) > 3, "the case should drop ids"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_route_tokens_many_programs_replayed() -> None:
+    """The multi-program route (ticket order, look-back, the last program's totals) captured in a
+    CUDA graph and replayed: every replay equals the torch twin, forward counter included, and
+    the ticket and done counters are back at 0 after each launch."""
+    device = torch.device("cuda")
+    num_tokens, top_k, num_experts, world = 6000, 8, 64, 4
+    ids = routing_ids(num_tokens, top_k, num_experts, invalid=True, seed=11).to(device)
+    fields = HeaderFields(0, 5, 1, 1, top_k, 1)
+    kw = dict(
+        num_experts=num_experts,
+        experts_per_rank=num_experts // world,
+        world_size=world,
+        drop_invalid=True,
+        fields=fields,
+    )
+    control = new_control(device, [3])
+    header = torch.empty(world, HEADER_INTS, dtype=torch.int32, device=device)
+    scratch = route_op.new_route_scratch(device, world)
+    triton_ops.route_tokens(ids, control=control, header_out=header, scratch=scratch, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = triton_ops.route_tokens(
+            ids, control=control, header_out=header, scratch=scratch, **kw
+        )
+    want_control = new_control(device, [3])
+    for _ in range(5):
+        graph.replay()
+        want_header = torch.empty_like(header)
+        want = torch_ops.route_tokens(ids, control=want_control, header_out=want_header, **kw)
+        for field in ("ids", "dest_slot", "token_of", "header"):
+            assert_bitwise(getattr(got, field), getattr(want, field), field)
+    want_control[Control.SEQ] += 1  # the eager launch before the capture
+    want_control[Control.BAD_IDS] += want_control[Control.BAD_IDS] // 5
+    assert_bitwise(control, want_control, "control after 6 launches")
 
 
 @pytest.mark.parametrize("status", [0, 2])

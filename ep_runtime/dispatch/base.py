@@ -212,6 +212,7 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
             header_out=header_pair[0],
             invalid_status=self.protocol.invalid_ids_status,
             slot_load=slot_load,
+            scratch=self.protocol.route_scratch,
         )
         return route, header_pair
 

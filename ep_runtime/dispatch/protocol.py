@@ -25,6 +25,7 @@ import torch
 
 from ep_runtime.comm import Comm
 from ep_runtime.kernels import KernelOps
+from ep_runtime.kernels.route import new_route_scratch
 from ep_runtime.kernels.wire import HEADER_INTS, Control, Field, HeaderFields, new_control
 from ep_runtime.types import (
     EPInputError,
@@ -128,6 +129,7 @@ class ForwardProtocol:
         self.rank = comm.rank
         self.checks = checks
         self.control = new_control(device)  # [CONTROL_INTS] int32
+        self.route_scratch = new_route_scratch(device, comm.world_size)  # the route's own
         # invalid ids: where headers are read on the host, they fail the forward through the
         # header's status (every rank raises); on the device they are dropped and counted
         self.invalid_ids_status = 0 if checks.on_device else int(ForwardStatus.INPUT_ERROR)

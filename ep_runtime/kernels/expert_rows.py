@@ -19,7 +19,7 @@ import triton.language as tl
 from ep_runtime.kernels.triton_common import cdiv, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
-SORT_BLOCK = 4096  # pairs one program scans per step (each step waits on two reductions)
+MAX_SORT_BLOCK = 16384  # pairs one program scans per step (each step waits on two reductions)
 MAX_SUM_BLOCK = 1024  # elements of a row one program sums
 
 # --------------------------------------------------------------------------- torch spec
@@ -148,6 +148,9 @@ def sort_pairs(
     num_local: int,
 ) -> None:
     num_rows, top_k = topk_ids.shape
+    # few steps: a prefill's 32K pairs in two (16 warps), a decode's in one (H200: T 4096,
+    # 68.8 -> 52.9 us against 4096-pair steps with 8 warps; same result bits)
+    block = max(1024, min(MAX_SORT_BLOCK, pow2(num_rows * top_k)))
     _sort_kernel[(num_local,)](
         topk_ids,
         topk_ids.stride(0),
@@ -158,8 +161,8 @@ def sort_pairs(
         max(top_k, 1),
         local_offset,
         num_local,
-        BLOCK=SORT_BLOCK,
-        num_warps=8,
+        BLOCK=block,
+        num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4,
     )
 
 

@@ -42,6 +42,7 @@ class KernelOps(Protocol):
         header_out: torch.Tensor,  # [W, HEADER_INTS] int32
         invalid_status: int = 0,
         slot_load: torch.Tensor | None = None,  # [E] int64 per-id counts, added to
+        scratch: torch.Tensor | None = None,  # kernels.route.new_route_scratch, kept by the caller
     ) -> Route: ...
 
     def pack_rows(

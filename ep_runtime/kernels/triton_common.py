@@ -133,6 +133,8 @@ C_FAILED_STATUS = _constexpr(int(Control.FAILED_STATUS))
 C_FAILED_RANK = _constexpr(int(Control.FAILED_RANK))
 C_FAILED_SEQ = _constexpr(int(Control.FAILED_SEQ))
 C_FORWARD_FAILED = _constexpr(int(Control.FORWARD_FAILED))
+C_ROUTE_TICKET = _constexpr(int(Control.ROUTE_TICKET))
+C_ROUTE_DONE = _constexpr(int(Control.ROUTE_DONE))
 HINTS = _constexpr(HEADER_INTS)
 HBYTES = _constexpr(HEADER_BYTES)
 

@@ -50,6 +50,8 @@ class Control(enum.IntEnum):
     FAILED_RANK = 3  # the first rank that recorded it
     FAILED_SEQ = 4  # that rank's forward number
     FORWARD_FAILED = 5  # 1 while the current forward has seen a failure
+    ROUTE_TICKET = 6  # the route's next block (0 between launches)
+    ROUTE_DONE = 7  # the route's programs finished (0 between launches)
 
 
 CONTROL_INTS = 8
