@@ -22,9 +22,15 @@ from pathlib import Path
 import torch
 
 from ep_runtime import reference_moe
-from ep_runtime.bench.layer import Point, build_layer, copy_rate_bytes_per_ms, inputs, time_ms
+from ep_runtime.bench.layer import (
+    Point,
+    bare_gemms_ms,
+    build_layer,
+    copy_rate_bytes_per_ms,
+    inputs,
+    time_ms,
+)
 from ep_runtime.bench.timing import graph_replay_ms
-from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 BF16 = torch.bfloat16
@@ -54,26 +60,6 @@ class Row:
     graph_ms: float | None
     gemms_ms: float
     floor_ms: float
-
-
-def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
-    """The two ``torch._grouped_mm`` calls alone on the grouped rows of this routing."""
-    num_experts = w13.size(0)
-    ops = resolve_ops(x.device)
-    grouped = ops.group_rows(
-        x, ids, weights, local_offset=0, num_local=num_experts, num_rows=ids.numel()
-    )
-    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
-    ends = grouped.offsets[1:]
-    activated = ops.weighted_activation(
-        torch._grouped_mm(grouped.hidden, w13_t, offs=ends), grouped.weights, gated=True
-    )
-
-    def gemms() -> None:
-        torch._grouped_mm(grouped.hidden, w13_t, offs=ends)
-        torch._grouped_mm(activated, w2_t, offs=ends)
-
-    return time_ms(gemms)
 
 
 def measure_layer(point: Point, experts: str, data, device: torch.device) -> dict:

@@ -1,11 +1,11 @@
 """The layer against its own GEMMs: ``python -m ep_runtime.bench`` (one CUDA GPU, world size 1).
 
-Per point, all measured in one run: the layer forward (eager, and replayed as a CUDA graph in
-capacity mode), the same two ``torch._grouped_mm`` calls alone on the same grouped rows, their
-ratio, the CUDA kernels one eager forward launches (torch.profiler), and the HBM floor: the
-bytes of the expert weights the forward reads ÷ the rate of a 2 GiB device-to-device copy
-(read + write) measured in the same run. Every point's output is checked against
-``reference_moe`` on a token sample first.
+Per point and experts backend (``triton``, ``grouped_mm``), all measured in one run: the layer
+forward (eager, and replayed as a CUDA graph in capacity mode), the same two
+``torch._grouped_mm`` calls alone on the same grouped rows, their ratio, the CUDA kernels one
+eager forward launches (torch.profiler), and the HBM floor: the bytes of the expert weights the
+forward reads ÷ the rate of a 2 GiB device-to-device copy (read + write) measured in the same
+run. Every point's output is checked against ``reference_moe`` on a token sample first.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ POINTS = {
 @dataclass
 class Measured:
     point: str
+    experts: str
     layout: str
     mode: str
     passed: bool
@@ -114,9 +115,29 @@ def build_layer(
     )
 
 
-def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, dict]:
+def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
+    """The two ``torch._grouped_mm`` calls alone on the grouped rows of this routing."""
+    num_experts = w13.size(0)
+    ops = resolve_ops(x.device)
+    grouped = ops.group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
+        x, ids, weights, local_offset=0, num_local=num_experts, num_rows=ids.numel()
+    )
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    ends = grouped.offsets[1:]
+    activated = ops.weighted_activation(
+        torch._grouped_mm(grouped.hidden, w13_t, offs=ends), grouped.weights, gated=True
+    )
+
+    def gemms() -> None:
+        torch._grouped_mm(grouped.hidden, w13_t, offs=ends)
+        torch._grouped_mm(activated, w2_t, offs=ends)
+
+    return time_ms(gemms)
+
+
+def measure(point: Point, rate: float, device: torch.device, experts: str) -> tuple[Measured, dict]:
     w13, w2, x, ids, weights = inputs(point, device)
-    layer = build_layer(point, device)
+    layer = build_layer(point, device, experts=experts)
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)
@@ -129,26 +150,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
         )
         layer_ms = time_ms(lambda: layer(x, ids, weights))
         activity = device_activity(lambda: layer(x, ids, weights))
-        ops = resolve_ops(device)
-        grouped = ops.group_rows(  # the rows the expanded layout hands the GEMMs at world size 1
-            x,
-            ids,
-            weights,
-            local_offset=0,
-            num_local=point.num_experts,
-            num_rows=point.tokens * point.top_k,
-        )
-        experts = layer.experts
-        rows, ends = grouped.hidden, grouped.offsets[1:]
-        activated = ops.weighted_activation(
-            torch._grouped_mm(rows, experts.w13_t, offs=ends), grouped.weights, gated=True
-        )
-
-        def gemms() -> None:
-            torch._grouped_mm(rows, experts.w13_t, offs=ends)
-            torch._grouped_mm(activated, experts.w2_t, offs=ends)
-
-        gemms_ms = time_ms(gemms)
+        gemms_ms = bare_gemms_ms(w13, w2, x, ids, weights)
         graph_ms = None
         if point.mode == "capacity":
             graph_ms = graph_replay_ms(lambda: layer(x, ids, weights), out)
@@ -161,6 +163,7 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
     floor_ms = weight_bytes / rate
     result = Measured(
         point=point.name,
+        experts=experts,
         layout=point.layout,
         mode=point.mode,
         passed=comparison.passed,
@@ -182,8 +185,8 @@ def measure(point: Point, rate: float, device: torch.device) -> tuple[Measured, 
 def print_table(results: list[Measured], rate: float) -> None:
     print(f"device copy (2 GiB, read + write): {rate / 1e9:.0f} TB/s")
     header = (
-        f"{'point':32} {'layout':9} {'mode':9} {'ok':3} {'layer ms':>9} {'GEMMs ms':>9} "
-        f"{'GEMMs/layer':>11} {'kernels':>7} {'graph ms':>9} {'graph/GEMMs':>11} "
+        f"{'point':32} {'experts':10} {'layout':9} {'mode':9} {'ok':3} {'layer ms':>9} "
+        f"{'GEMMs ms':>9} {'GEMMs/layer':>11} {'kernels':>7} {'graph ms':>9} {'graph/GEMMs':>11} "
         f"{'floor ms':>9} {'graph/floor':>11}"
     )
     print(header)
@@ -192,7 +195,7 @@ def print_table(results: list[Measured], rate: float) -> None:
         over_gemms = "-" if r.graph_over_gemms is None else f"{r.graph_over_gemms:11.2f}"
         over_floor = "-" if r.graph_over_floor is None else f"{r.graph_over_floor:11.2f}"
         print(
-            f"{r.point:32} {r.layout:9} {r.mode:9} {'yes' if r.passed else 'NO':3} "
+            f"{r.point:32} {r.experts:10} {r.layout:9} {r.mode:9} {'yes' if r.passed else 'NO':3} "
             f"{r.layer_ms:9.3f} {r.gemms_ms:9.3f} {r.gemms_over_layer:11.2f} "
             f"{r.kernels_per_forward:7d} {graph:>9} {over_gemms:>11} {r.hbm_floor_ms:9.3f} "
             f"{over_floor:>11}"
@@ -211,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         default=["expanded"],
         help="layouts to run each point in (the GEMM baseline is the same in both)",
     )
+    parser.add_argument(
+        "--experts",
+        nargs="+",
+        choices=["triton", "grouped_mm"],
+        default=["triton", "grouped_mm"],
+        help="experts backends to run each point with (the GEMM baseline is the same for all)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -220,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     rate = copy_rate_bytes_per_ms(device)
     results, names = [], {}
     for name in args.points:
-        for layout in args.layouts:
-            point = POINTS[name]
-            point = Point(**{**asdict(point), "layout": layout})
-            measured, kernel_names = measure(point, rate, device)
-            results.append(measured)
-            names[f"{name}/{layout}"] = kernel_names
+        for experts in args.experts:
+            for layout in args.layouts:
+                point = Point(**{**asdict(POINTS[name]), "layout": layout})
+                measured, kernel_names = measure(point, rate, device, experts)
+                results.append(measured)
+                names[f"{name}/{experts}/{layout}"] = kernel_names
             print(json.dumps(asdict(measured)), flush=True)
     print_table(results, rate)
     if args.json is not None:
