@@ -110,9 +110,14 @@ def test_spawn_run_listens_on_loopback_only(launcher_runs):
     grouped = by_pid(seen)
     assert set(grouped) == {root, *ranks}  # the resource tracker listens on nothing
     [store] = grouped[root]
+    store_socket = (store.address, store.port)
     gloo = {}
     for rank in ranks:
-        [gloo[rank]] = grouped[rank]
+        # a rank sampled between the spawn's fork and its exec still holds the parent's store
+        # socket (seen once, under two pytest workers): the store's (address, port) is not its own
+        own = [item for item in grouped[rank] if (item.address, item.port) != store_socket]
+        assert len(own) == 1, f"rank {rank}: {_describe(set(grouped[rank]))}"
+        gloo[rank] = own[0]
         assert (store.address, store.port) in _remote_ends(rank)  # a client of the store
     first, second = ranks  # of each pair of ranks, one connected to the other's listener
     assert (gloo[second].address, gloo[second].port) in _remote_ends(first) or (
