@@ -4,9 +4,11 @@ world size 1, ``torch_a2a``, bf16, K = 8, balanced random routing).
 Per (model, T), all in one run: the layer with each (experts, layout) forward eager (synchronised
 each time, so it includes the host's launch latency), eager back to back (20 forwards issued
 without a sync, as a model's layers are, and the host's time to issue one), and replayed as a
-CUDA graph (capacity mode, T ≤ 512; checked bitwise equal to eager); the bare pair of
-``torch._grouped_mm`` calls on the same grouped rows; and the HBM floor: bytes of the experts'
-weights the forward reads ÷ the rate of a 2 GiB device copy (read + write) measured in this run.
+CUDA graph (capacity mode, T ≤ 512; checked bitwise equal to eager); exact mode (T > 512) runs
+with ``device_checks=True``, as the transformers blocks do, so no host read ends a forward; the
+bare pair of ``torch._grouped_mm`` calls on the same grouped rows; and the HBM floor: bytes of
+the experts' weights the forward reads ÷ the rate of a 2 GiB device copy (read + write)
+measured in this run.
 Every layer's output is checked against ``reference_moe`` on a token sample first.
 """
 
@@ -64,7 +66,9 @@ class Row:
 
 def measure_layer(point: Point, experts: str, data, device: torch.device) -> dict:
     w13, w2, x, ids, weights = data
-    layer = build_layer(point, device, experts=experts)
+    # exact mode as the transformers blocks build it: ids checked on the device, so a forward
+    # ends without a host read and back-to-back forwards overlap the host with the GPU
+    layer = build_layer(point, device, experts=experts, device_checks=point.mode == "exact")
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)

@@ -94,6 +94,7 @@ def build_layer(
     dtype: torch.dtype = BF16,
     experts: str = "grouped_mm",
     quantization: str | None = None,
+    device_checks: bool = False,
 ) -> EPMoE:
     """The layer of one point: ``torch_a2a`` + ``experts``, world size 1."""
     config = MoEConfig(
@@ -112,6 +113,7 @@ def build_layer(
         layout=point.layout,
         mode=point.mode,
         device=device,
+        device_checks=device_checks,
     )
 
 
