@@ -301,7 +301,12 @@ def _route_kernel(
             past = (t[:, None] < last) & lanes[None, :]  # -1 first: real entries land later
             tl.store(token_of + w[None, :].to(tl.int64) * num_tokens + t[:, None], -1, mask=past)
         epoch = (seq.to(tl.int64) & 0x7FFFFFFF) + 1
+        # barriers: every thread's -1 fill before the word that lets later blocks write over
+        # it, and every thread's writes below after the words read (a release or acquire
+        # orders only the accesses its own thread has seen)
+        tl.debug_barrier()
         rows = _look_back(scratch, program, epoch, own, WP, world)
+        tl.debug_barrier()
     slot_lanes = tl.zeros([BT, WP], dtype=tl.int32)  # (token, slot) pairs per lane, summed last
     dropped_lanes = tl.zeros([BT], dtype=tl.int32)
     load = tl.zeros([EB], dtype=tl.int32)  # kept (token, slot) pairs per slot (COUNT)
@@ -348,6 +353,7 @@ def _route_kernel(
         tl.atomic_add(scratch + w, own, mask=lanes)
         tl.atomic_add(scratch + WP + w, slots, mask=lanes)
         tl.atomic_add(scratch + 2 * WP, dropped.to(tl.int64))
+        tl.debug_barrier()  # this program's totals added before it counts itself done
         if tl.atomic_add(control + C_ROUTE_DONE, 1) == num_programs - 1:  # the last one
             rows = tl.atomic_xchg(scratch + w, 0, mask=lanes)
             slots = tl.atomic_xchg(scratch + WP + w, 0, mask=lanes)
