@@ -168,14 +168,15 @@ def test_route_tokens_many_programs_replayed() -> None:
             ids, control=control, header_out=header, scratch=scratch, **kw
         )
     want_control = new_control(device, [3])
+    torch_ops.route_tokens(  # the twin of the launch before the capture
+        ids, control=want_control, header_out=torch.empty_like(header), **kw
+    )
     for _ in range(5):
         graph.replay()
         want_header = torch.empty_like(header)
         want = torch_ops.route_tokens(ids, control=want_control, header_out=want_header, **kw)
         for field in ("ids", "dest_slot", "token_of", "header"):
             assert_bitwise(getattr(got, field), getattr(want, field), field)
-    want_control[Control.SEQ] += 1  # the eager launch before the capture
-    want_control[Control.BAD_IDS] += want_control[Control.BAD_IDS] // 5
     assert_bitwise(control, want_control, "control after 6 launches")
 
 
