@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured, kernel_names = measure(point, rate, device, experts)
                 results.append(measured)
                 names[f"{name}/{experts}/{layout}"] = kernel_names
-            print(json.dumps(asdict(measured)), flush=True)
+                print(json.dumps(asdict(measured)), flush=True)
     print_table(results, rate)
     if args.json is not None:
         report = {
