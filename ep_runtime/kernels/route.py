@@ -136,8 +136,9 @@ def _block_routes(
     WP: tl.constexpr,
     DROP: tl.constexpr,
 ):
-    """One block of tokens: ids ``[BT, KP]`` int32 (invalid ones dropped to -1), which are real,
-    the hits ``[BT, KP, WP]`` int32 (slot k goes to rank w) and the ids dropped per token."""
+    """One block of tokens: ids ``[BT, KP]`` int32 (invalid ones dropped to -1), which of those
+    entries exist (``[BT, KP]``: token < ``num_tokens``, slot < ``top_k``), the hits
+    ``[BT, KP, WP]`` int32 (slot k goes to rank w) and the ids dropped per token."""
     k = tl.arange(0, KP)
     w = tl.arange(0, WP)
     t_ok = t < num_tokens
@@ -326,14 +327,14 @@ def _route_kernel(
         slot_lanes += tl.sum(hit, axis=1)
         member = tl.max(hit, axis=1) > 0  # [BT, WP]: token t goes to rank w
         running = tl.cumsum(member.to(tl.int64), axis=0) + rows[None, :]  # [BT, WP]
-        slot = tl.where(member, running - 1, -1)
+        slot = tl.where(member, running - 1, -1).to(tl.int32)
         tl.store(
             dest_slot + t64[:, None] * world + w[None, :],
-            slot.to(tl.int32),
+            slot,
             mask=(t[:, None] < last) & lanes[None, :],
         )
         token_rows = w[None, :].to(tl.int64) * num_tokens  # [1, WP]
-        tl.store(token_of + token_rows + slot, t[:, None] + 0 * slot.to(tl.int32), mask=member)
+        tl.store(token_of + token_rows + slot, t[:, None] + 0 * slot, mask=member)
         rows += tl.sum(member.to(tl.int64), axis=0)
     slots = tl.sum(slot_lanes, axis=0).to(tl.int64)  # [WP]
     dropped = tl.sum(dropped_lanes, axis=0)
