@@ -1,6 +1,7 @@
 """ep_runtime: expert-parallel Mixture-of-Experts across ranks (forward/inference only)."""
 
 from ep_runtime.config import MoEConfig
+from ep_runtime.forward_graphs import GraphPolicy
 from ep_runtime.layer import EPMoE
 from ep_runtime.reference import reference_moe
 from ep_runtime.routing import route
@@ -23,6 +24,7 @@ __all__ = [
     "Dispatched",
     "EPInputError",
     "EPMoE",
+    "GraphPolicy",
     "MoEConfig",
     "RemoteRankError",
     "TopkLayout",

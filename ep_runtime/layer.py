@@ -19,6 +19,7 @@ from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
 from ep_runtime.dispatch.protocol import LayerIdentity
 from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport, WeightSet
 from ep_runtime.experts.base import check_expert_weights
+from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY, ForwardGraphs, GraphPolicy
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import Fp8BlockWeights, check_weight_quantization
@@ -61,6 +62,11 @@ class EPMoE(torch.nn.Module):
     one host read at the end of every forward, so eager forwards do not wait for the GPU. For
     callers whose ids cannot be out of range (``route()``'s); the transformers blocks set it.
     With peers, exact mode reads the headers on the host anyway and it changes nothing.
+
+    ``forward_graphs``: where a forward reads nothing on the host (CUDA, world size 1, capacity
+    mode or ``device_checks``, backends that declare it capturable), eager forwards of a token
+    count met before replay a CUDA graph of the forward (forward_graphs.py; ``GraphPolicy``
+    bounds the tokens and graphs); ``None`` runs every forward eager.
     """
 
     def __init__(
@@ -78,8 +84,11 @@ class EPMoE(torch.nn.Module):
         num_redundant_experts: int = 0,
         eplb_interval: int | None = None,
         device_checks: bool = False,
+        forward_graphs: GraphPolicy | None = DEFAULT_GRAPH_POLICY,
     ) -> None:
         super().__init__()
+        if forward_graphs is not None and not isinstance(forward_graphs, GraphPolicy):
+            raise EPInputError("forward_graphs", "a GraphPolicy or None", repr(forward_graphs))
         self.config = config
         self.comm = Comm.create(group, checked_device(device))
         self.spec = LayerSpec.of(
@@ -147,6 +156,18 @@ class EPMoE(torch.nn.Module):
         # read by every forward: resolved once here
         self._capacity = self.spec.mode is DispatchMode.CAPACITY
         self._input_cap = self.spec.max_tokens_per_rank if self._capacity else None
+        self.graphs = self._forward_graphs(forward_graphs)
+
+    def _forward_graphs(self, policy: GraphPolicy | None) -> ForwardGraphs | None:
+        """The layer's CUDA graphs of its eager forwards, where nothing in them reads the host."""
+        checks = self.dispatcher.protocol.checks
+        capturable = (
+            type(self.dispatcher).capabilities.graph_capturable
+            and type(self.experts).capabilities.graph_capturable
+        )
+        if policy is None or self.device.type != "cuda" or checks.peers or not checks.on_device:
+            return None
+        return ForwardGraphs(policy, self.experts.release_workspace) if capturable else None
 
     @property
     def mode(self) -> DispatchMode:
@@ -198,7 +219,7 @@ class EPMoE(torch.nn.Module):
             cast = {"device": self.device, "dtype": self.dtype}
             slot13 = slot13.detach().to(**cast).contiguous()
             slot2 = slot2.detach().to(**cast).contiguous()
-            self.experts.load_weights(slot13, slot2)
+            self._load_slot_weights(slot13, slot2)
             self.eplb.keep_weights(slot13, slot2, given=(w13, w2))
         else:
             scales = (w13_scale_inv, w2_scale_inv)
@@ -206,8 +227,18 @@ class EPMoE(torch.nn.Module):
                 scales = self.eplb.select_weights(*scales, weights_are)  # type: ignore[arg-type]
             check_weight_quantization(quantization, slot13, slot2, *scales)
             shard = Fp8BlockWeights(slot13, scales[0], slot2, scales[1])
+            self._drop_graphs()
             self.experts.load_quantized_weights(shard.to(self.device))
         self._weights_loaded = True
+
+    def _load_slot_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Hand the experts new slot weights (at load and at every rebalance)."""
+        self._drop_graphs()
+        self.experts.load_weights(w13, w2)
+
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:  # they read the old weights
+            self.graphs.clear()
 
     def expert_load(self, reset: bool = False) -> torch.Tensor:
         """``[E + R]`` int64 counts per slot over all ranks since the last reset (collective)."""
@@ -221,7 +252,7 @@ class EPMoE(torch.nn.Module):
             raise EPInputError(
                 "rebalance", "a layer with unquantized weights", self.config.quantization.value
             )
-        return self.eplb.rebalance(load, self.experts.load_weights)
+        return self.eplb.rebalance(load, self._load_slot_weights)
 
     @torch.no_grad()
     def forward(
@@ -243,14 +274,14 @@ class EPMoE(torch.nn.Module):
         if self.spec.poison:
             out.fill_(float("nan"))
         if self._capacity:
-            self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
-            self.eplb.forward_done(self.experts.load_weights)
+            self._forward_one_round(x, topk_ids, topk_weights, out)
+            self.eplb.forward_done(self._load_slot_weights)
             return out
         num_tokens = x.size(0)
         per_round = self.rounds.tokens_per_round(num_tokens)
         num_local_rounds = max(1, -(-num_tokens // per_round))
         if num_local_rounds == 1:  # all at once; peers may still need more rounds
-            num_rounds = self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+            num_rounds = self._forward_one_round(x, topk_ids, topk_weights, out)
             round_index = 1
         else:
             round_index, num_rounds = 0, 1
@@ -261,8 +292,24 @@ class EPMoE(torch.nn.Module):
                 x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_rounds, None
             )
             round_index += 1
-        self.eplb.forward_done(self.experts.load_weights)
+        self.eplb.forward_done(self._load_slot_weights)
         return out
+
+    def _forward_one_round(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> int:
+        """A forward in one round (its chunk count, as ``_forward_chunk``): through the layer's
+        CUDA graphs where they take it."""
+        graphs = self.graphs
+        if graphs is None or self.phase_timer is not None or not graphs.takes(x.size(0)):
+            return self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
+        graphs.run(self._run_round, x, topk_ids, topk_weights, out)
+        return 1  # a world of one
+
+    def _run_round(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
 
     def _input_error(
         self,

@@ -10,6 +10,8 @@ bare pair of ``torch._grouped_mm`` calls on the same grouped rows; and the HBM f
 the experts' weights the forward reads ÷ the rate of a 2 GiB device copy (read + write)
 measured in this run.
 Every layer's output is checked against ``reference_moe`` on a token sample first.
+``--forward-graphs off`` builds the layers without their own graphs of eager forwards (with
+them, the default, an eager forward of T ≤ 512 replays one).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from ep_runtime import reference_moe
 from ep_runtime.bench.layer import (
     Point,
+    add_forward_graphs_flag,
     bare_gemms_ms,
     build_layer,
     copy_rate_bytes_per_ms,
@@ -54,6 +57,7 @@ class Row:
     experts: str
     layout: str
     mode: str
+    forward_graphs: bool
     passed: bool
     max_rel_err: float
     eager_ms: float
@@ -64,11 +68,19 @@ class Row:
     floor_ms: float
 
 
-def measure_layer(point: Point, experts: str, data, device: torch.device) -> dict:
+def measure_layer(
+    point: Point, experts: str, data, device: torch.device, forward_graphs: bool
+) -> dict:
     w13, w2, x, ids, weights = data
     # exact mode as the transformers blocks build it: ids checked on the device, so a forward
     # ends without a host read and back-to-back forwards overlap the host with the GPU
-    layer = build_layer(point, device, experts=experts, device_checks=point.mode == "exact")
+    layer = build_layer(
+        point,
+        device,
+        experts=experts,
+        device_checks=point.mode == "exact",
+        forward_graphs=forward_graphs,
+    )
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)
@@ -100,6 +112,7 @@ def measure_layer(point: Point, experts: str, data, device: torch.device) -> dic
     finally:
         layer.close()
     return {
+        "forward_graphs": layer.graphs is not None,
         "passed": comparison.passed,
         "max_rel_err": comparison.max_relative_error,
         "eager_ms": eager_ms,
@@ -109,7 +122,9 @@ def measure_layer(point: Point, experts: str, data, device: torch.device) -> dic
     }
 
 
-def sweep(models: list[str], tokens: list[int], device: torch.device, rate: float) -> list[Row]:
+def sweep(
+    models: list[str], tokens: list[int], device: torch.device, rate: float, forward_graphs: bool
+) -> list[Row]:
     rows = []
     for model in models:
         num_experts, hidden, intermediate = MODELS[model]
@@ -124,7 +139,7 @@ def sweep(models: list[str], tokens: list[int], device: torch.device, rate: floa
             gemms_ms = bare_gemms_ms(*data)
             for experts, layout in BACKENDS:
                 point = Point(**{**asdict(base), "layout": layout})
-                got = measure_layer(point, experts, data, device)
+                got = measure_layer(point, experts, data, device, forward_graphs)
                 row = Row(
                     model, count, experts, layout, mode, **got, gemms_ms=gemms_ms, floor_ms=floor_ms
                 )
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    add_forward_graphs_flag(parser)
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     rate = copy_rate_bytes_per_ms(device)
-    rows = sweep(args.models, args.tokens, device, rate)
+    rows = sweep(args.models, args.tokens, device, rate, args.forward_graphs == "on")
     print_table(rows, rate)
     if args.json is not None:
         report = {

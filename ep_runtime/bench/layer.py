@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ep_runtime import EPMoE, MoEConfig, reference_moe
+from ep_runtime import EPMoE, GraphPolicy, MoEConfig, reference_moe
 from ep_runtime.bench.timing import (
     copy_rate_bytes_per_ms,
     device_activity,
@@ -61,6 +61,7 @@ class Measured:
     experts: str
     layout: str
     mode: str
+    forward_graphs: bool  # eager forwards may replay the layer's own graph (where it takes them)
     passed: bool
     max_rel_err: float
     layer_ms: float
@@ -95,8 +96,10 @@ def build_layer(
     experts: str = "grouped_mm",
     quantization: str | None = None,
     device_checks: bool = False,
+    forward_graphs: bool = True,
 ) -> EPMoE:
-    """The layer of one point: ``torch_a2a`` + ``experts``, world size 1."""
+    """The layer of one point: ``torch_a2a`` + ``experts``, world size 1; ``forward_graphs``
+    False: every eager forward runs its kernels (no graph of the layer's own)."""
     config = MoEConfig(
         point.num_experts,
         point.top_k,
@@ -114,6 +117,7 @@ def build_layer(
         mode=point.mode,
         device=device,
         device_checks=device_checks,
+        forward_graphs=GraphPolicy() if forward_graphs else None,
     )
 
 
@@ -137,9 +141,11 @@ def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
     return time_ms(gemms)
 
 
-def measure(point: Point, rate: float, device: torch.device, experts: str) -> tuple[Measured, dict]:
+def measure(
+    point: Point, rate: float, device: torch.device, experts: str, forward_graphs: bool
+) -> tuple[Measured, dict]:
     w13, w2, x, ids, weights = inputs(point, device)
-    layer = build_layer(point, device, experts=experts)
+    layer = build_layer(point, device, experts=experts, forward_graphs=forward_graphs)
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)
@@ -168,6 +174,7 @@ def measure(point: Point, rate: float, device: torch.device, experts: str) -> tu
         experts=experts,
         layout=point.layout,
         mode=point.mode,
+        forward_graphs=layer.graphs is not None,
         passed=comparison.passed,
         max_rel_err=comparison.max_relative_error,
         layer_ms=layer_ms,
@@ -182,6 +189,16 @@ def measure(point: Point, rate: float, device: torch.device, experts: str) -> tu
         eager_over_gemms=layer_ms / gemms_ms,
     )
     return result, activity.kernels
+
+
+def add_forward_graphs_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--forward-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="the layers' CUDA graphs of their own eager forwards (on: the default a user gets; "
+        "off: every eager forward launches its kernels)",
+    )
 
 
 def print_table(results: list[Measured], rate: float) -> None:
@@ -223,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["triton", "grouped_mm"],
         help="experts backends to run each point with (the GEMM baseline is the same for all)",
     )
+    add_forward_graphs_flag(parser)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -235,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         for experts in args.experts:
             for layout in args.layouts:
                 point = Point(**{**asdict(POINTS[name]), "layout": layout})
-                measured, kernel_names = measure(point, rate, device, experts)
+                measured, kernel_names = measure(
+                    point, rate, device, experts, args.forward_graphs == "on"
+                )
                 results.append(measured)
                 names[f"{name}/{experts}/{layout}"] = kernel_names
                 print(json.dumps(asdict(measured)), flush=True)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ep_runtime.bench.layer import POINTS, Point, build_layer, inputs
+from ep_runtime.bench.layer import POINTS, Point, add_forward_graphs_flag, build_layer, inputs
 from ep_runtime.kernels import triton_common
 
 # small shapes for finding Python overhead on any machine (world size 1, grouped_mm)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--experts", default="grouped_mm", help="the experts backend")
     parser.add_argument("--no-profile", action="store_true", help="only the time per forward")
+    add_forward_graphs_flag(parser)
     parser.add_argument(
         "--launch-split",
         action="store_true",
@@ -132,19 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if use_cuda else torch.float32
     )
-    if args.launch_split and (not use_cuda or point.mode != "capacity"):
+    if args.launch_split and (
+        not use_cuda or point.mode != "capacity" or args.forward_graphs == "on"
+    ):
         parser.error(  # no-op launches leave exact mode's sizes unwritten: it would read garbage
-            f"--launch-split needs CUDA and capacity mode, given {device.type} and {point.mode}"
+            "--launch-split needs CUDA, capacity mode and --forward-graphs off (it splits the "
+            f"launches), given {device.type}, {point.mode}, --forward-graphs {args.forward_graphs}"
         )
     w13, w2, x, ids, weights = inputs(point, device, dtype=dtype)
-    layer = build_layer(point, device, dtype=dtype, experts=args.experts)
+    layer = build_layer(
+        point, device, dtype=dtype, experts=args.experts, forward_graphs=args.forward_graphs == "on"
+    )
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
     issued, done, cpu = time_forwards(layer, x, ids, weights, args.forwards, args.repeats, device)
     print(
         f"{point.name} ({point.mode}, {point.layout}, {args.experts}, T={point.tokens}, {dtype}, "
-        f"{device.type}): host {issued:.1f} us/forward to issue, {done:.1f} us/forward to "
+        f"{device.type}, layer graphs {'on' if layer.graphs else 'off'}): host {issued:.1f} "
+        f"us/forward to issue, {done:.1f} us/forward to "
         f"finish, {cpu:.1f} us/forward of this process's CPU time to issue"
     )
     if args.launch_split:

@@ -23,6 +23,8 @@ class DispatcherCapabilities:
     device_types: frozenset[str]
     dtypes: frozenset[torch.dtype]
     min_world_size: int = 1
+    # at world size one with device checks nothing is read on the host: CUDA-graph capturable
+    graph_capturable: bool = False
 
     def refusal(self, setup: DispatchSetup, layout: TopkLayout | None) -> str | None:
         """Why these capabilities do not cover ``setup`` (and ``layout``, when given)."""

@@ -25,5 +25,6 @@ class TorchAllToAll(RowDispatcher):
         modes=frozenset(DispatchMode),
         device_types=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.bfloat16, torch.float32}),
+        graph_capturable=True,
     )
     auto_priority = 0

@@ -30,6 +30,8 @@ class ExpertsCapabilities:
     preferred_layout: TopkLayout
     cuda_archs: frozenset[int] | None = None  # allowed SM majors*10+minor; None = any
     quantizations: frozenset[Quantization | None] = frozenset({None})  # None = compute dtype
+    # a forward reads no device value on the host: the layer may replay it as a CUDA graph
+    graph_capturable: bool = False
     description: str = ""
 
 
@@ -115,6 +117,12 @@ class Experts(abc.ABC):
     def workspace_bytes(self, max_rows: int) -> int:
         """Scratch memory the backend needs for ``max_rows`` dispatched rows (allocated once)."""
         return 0
+
+    def release_workspace(self) -> None:
+        """Drop work buffers cached across forwards, so the next forward allocates its own: the
+        layer calls it before capturing a CUDA graph, which then owns them (a buffer grown
+        later cannot free memory the graph writes). Backends that cache none do nothing."""
+        return None
 
 
 def check_expert_weights(

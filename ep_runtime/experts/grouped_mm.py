@@ -33,6 +33,7 @@ class GroupedMMExperts(Experts):
         activations=frozenset(Activation),
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.EXPANDED,
+        graph_capturable=True,
         description="torch._grouped_mm, no compile step",
     )
     auto_priority = 10

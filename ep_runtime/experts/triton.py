@@ -59,6 +59,7 @@ class TritonExperts(Experts):
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.STANDARD,
         quantizations=frozenset({None, Quantization.FP8_BLOCK}),
+        graph_capturable=True,
         description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2 "
         "(fp8 block scales: applied per 128-deep k-step)",
     )
@@ -153,6 +154,9 @@ class TritonExperts(Experts):
             + element * max_rows * self.hidden
             + quantized_rows
         )
+
+    def release_workspace(self) -> None:
+        self._buffers.clear()
 
     def _buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, width]`` view of a buffer that grows to the largest request and is reused."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.comm import default_device
+from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY
 from ep_runtime.quantization import quantize_weight_blocks
 
 
@@ -34,6 +35,7 @@ class CaseSpec:
     poison: bool = False
     idle_k: int | None = None  # K of the ids a rank with no tokens passes; None = k
     quantization: str | None = None  # "fp8_block": e4m3 weights, rows dispatched as q(x)
+    forward_graphs: bool = True  # the layer's CUDA graphs of its eager forwards (the default)
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -126,6 +128,7 @@ def build_layer(spec: CaseSpec) -> EPMoE:
         max_tokens_per_rank=spec.cap,
         device=device(),
         poison=spec.poison,
+        forward_graphs=DEFAULT_GRAPH_POLICY if spec.forward_graphs else None,
     )
     w13, w2 = make_weights(spec)
     if spec.quantization is None:

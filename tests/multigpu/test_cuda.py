@@ -20,10 +20,12 @@ WORLD_SIZES = [w for w in (1, 2) if torch.cuda.is_available() and torch.cuda.dev
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("experts", ["grouped_mm", "triton"])
+@pytest.mark.parametrize("forward_graphs", [True, False])
 def test_capacity_forward_has_no_host_sync(
-    pool_factory, world_size, layout, activation, experts
+    pool_factory, world_size, layout, activation, experts, forward_graphs
 ) -> None:
     spec = CaseSpec(
+        forward_graphs=forward_graphs,
         experts=experts,
         layout=layout,
         activation=activation,
