@@ -16,12 +16,15 @@ do). Before a capture the experts drop their cached work buffers
 (``Experts.release_workspace``) so the capture owns the ones it uses: a later forward that grows
 them cannot free memory a graph still writes. New weights (``load_weights``, a rebalance) drop
 the layer's graphs. A forward inside the caller's own capture, one timed by the launcher's phase
-timer, of more than ``max_tokens`` tokens, or of a count beyond ``max_graphs`` runs eager; a
-capture that fails turns this off for the layer with a warning saying why.
+timer, of more than ``max_tokens`` tokens, or of a count beyond ``max_graphs`` runs eager; once
+the caller has captured one of its forwards in its own graph the layer captures no more (that
+graph holds its work buffers); a capture that fails turns this off for the layer with a warning
+saying why (the device's pool is replaced: a failed capture leaves it unusable).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from collections.abc import Callable
@@ -80,8 +83,22 @@ class _StaticIO:
 
 
 _IO: dict[tuple, _StaticIO] = {}  # by (rows, device, H, x dtype, K, ids and weights dtypes)
-_POOLS: dict[torch.device, Any] = {}  # one graph memory pool per device
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # warm-up and capture stream
+
+
+class _Pool:
+    """A device's graph memory pool, with a one-kernel graph of its own that keeps it alive: a
+    pool whose graphs are all gone (new weights, a layer collected) cannot be captured into
+    again under the same handle."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._cell = torch.zeros(1, device=device)
+        self._anchor = torch.cuda.CUDAGraph()
+        _capture_on(stream, self._anchor, self.handle, lambda: self._cell.add_(1))
+
+
+_POOLS: dict[torch.device, _Pool] = {}  # one per device (replaced after a failed capture)
 
 
 def _static_io(rows: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> _StaticIO:
@@ -112,12 +129,14 @@ class ForwardGraphs:
         self._seen.clear()
 
     def takes(self, num_tokens: int) -> bool:
-        """Whether a forward of ``num_tokens`` goes through here (else the caller runs eager)."""
-        return (
-            self.disabled_because is None
-            and 1 <= num_tokens <= self.policy.max_tokens
-            and not torch.cuda.is_current_stream_capturing()
-        )
+        """Whether a forward of ``num_tokens`` goes through here (else the caller runs eager).
+        Once the caller has captured a forward of this layer in a graph of its own, that graph
+        holds the layer's work buffers: they must never be released again, so the layer
+        captures nothing more."""
+        if torch.cuda.is_current_stream_capturing():
+            self.disabled_because = "the caller captures this layer's forwards in its own graph"
+            self.clear()
+        return self.disabled_because is None and 1 <= num_tokens <= self.policy.max_tokens
 
     def run(
         self,
@@ -162,7 +181,7 @@ class ForwardGraphs:
             side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         pool = _POOLS.get(device)
         if pool is None:
-            pool = _POOLS[device] = torch.cuda.graph_pool_handle()
+            pool = _POOLS[device] = _Pool(device, side)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
@@ -171,8 +190,10 @@ class ForwardGraphs:
         self.release_workspace()
         graph = torch.cuda.CUDAGraph()
         try:
-            _capture_on(side, graph, pool, lambda: forward(*io.rows(key.num_tokens)))
+            _capture_on(side, graph, pool.handle, lambda: forward(*io.rows(key.num_tokens)))
         except Exception as error:  # this layer's forwards stay eager
+            if _POOLS.get(device) is pool:  # a failed capture leaves its pool unusable
+                del _POOLS[device]
             self.disabled_because = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"EPMoE: a CUDA graph of the eager forward could not be captured "
@@ -183,11 +204,14 @@ class ForwardGraphs:
         self._graphs[key] = (graph, io)
 
 
-def _capture_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, pool: Any, work) -> None:
+def _capture_on(
+    stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, pool: Any, work: Callable[[], Any]
+) -> None:
     """Capture ``work`` into ``graph`` on ``stream``. ``torch.cuda.graph`` would also run a full
     garbage collection and empty the allocator's cache first (tens of ms in a process holding a
     model, at every capture); instead the collector is paused while capturing, so no tensor is
-    freed by it mid-capture."""
+    freed by it mid-capture. An error in ``work`` is raised as it is (ending the broken capture
+    raises one of its own, dropped)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -195,8 +219,11 @@ def _capture_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, pool: An
             graph.capture_begin(pool=pool)
             try:
                 work()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
     finally:
         if collecting:
             gc.enable()

@@ -144,10 +144,12 @@ def test_new_weights_drop_the_graphs() -> None:
     for layer in (graphed, eager):
         layer.load_weights(*_weights(5))
     assert graphed.graphs.captured_token_counts == []
-    for step in range(3):
+    for step in range(4):  # captured again (the device's pool outlives the dropped graphs)
         inputs = _inputs(7, step, device)
         assert torch.equal(graphed(*inputs), eager(*inputs))
         _check_against_reference(graphed(*inputs), *inputs, 5)
+    assert graphed.graphs.captured_token_counts == [7]
+    assert graphed.graphs.disabled_because is None
 
 
 @needs_cuda
@@ -158,21 +160,35 @@ def test_policy_bounds_and_the_callers_own_capture() -> None:
         inputs = _inputs(tokens, tokens, device, ids_dtype=torch.int32)
         assert torch.equal(graphed(*inputs), eager(*inputs)), tokens
     assert graphed.graphs.captured_token_counts == [3, 4]  # 5: beyond max_graphs; 40: too big
+
+
+@needs_cuda
+def test_the_callers_own_capture_keeps_the_layers_buffers() -> None:
+    graphed, eager = _pair("triton", "standard", "capacity")
+    device = torch.device("cuda")
+    graphed(*_inputs(32, 0, device))
     static = _inputs(8, 0, device)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        graphed(*static)
+        for _ in range(2):  # the second: the layer captures a graph of its own
+            graphed(*static)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):  # the caller's capture: the layer's forward inside it, eager
         static_out = graphed(*static)
+    assert "caller captures" in graphed.graphs.disabled_because
+    for step in range(3):  # eager from now on: nothing the caller's graph holds is released
+        inputs = _inputs(8, 10 + step, device)
+        assert torch.equal(graphed(*inputs), eager(*inputs))
+    junk = [torch.full((64, H), 7.0, device=device) for _ in range(200)]
     fresh = _inputs(8, 1, device)
     for held, new in zip(static, fresh, strict=True):
         held.copy_(new)
     graph.replay()
     assert torch.equal(static_out, eager(*fresh))
-    assert graphed.graphs.captured_token_counts == [3, 4]
+    assert all(bool((tensor == 7.0).all()) for tensor in junk)
+    assert graphed.graphs.captured_token_counts == []
 
 
 @needs_cuda

@@ -229,7 +229,7 @@ def patch_moe_blocks(
     (``None``: the default group if initialised, else a world of 1), keeping only this rank's
     expert shard and freeing the HF expert tensors. ``layer_options`` go to ``EPMoE``
     (dispatcher, experts, layout, mode, max_tokens_per_rank, device, num_redundant_experts,
-    eplb_interval). Every rank must call it on
+    eplb_interval, forward_graphs). Every rank must call it on
     the same model (it builds EP layers, which agree on backends collectively). Move and cast
     the model first: the EP layers' weights are not parameters, a later ``model.to()`` leaves
     them where they are. ``expert_weights`` gives each block's local experts (default: the
@@ -265,8 +265,11 @@ def patch_moe_blocks(
             dtype=w13.dtype if scales is None else _activation_dtype(model),
             quantization=None if scales is None else Quantization.FP8_BLOCK,
         )
-        # route() gives ids in range: checked on the device, no host read per forward alone
+        # route() gives ids in range: checked on the device, no host read per forward alone;
+        # with the blocks' own graphs, the layers capture none of their own
         options = {"device": w13.device, "device_checks": True, **layer_options}
+        if graph_pool is not None:
+            options.setdefault("forward_graphs", None)
         ep = EPMoE(config, group=group, **options)
         local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
         num_local = len(local)
