@@ -135,8 +135,11 @@ class ForwardGraphs:
         captures nothing more."""
         if torch.cuda.is_current_stream_capturing():
             self.disabled_because = "the caller captures this layer's forwards in its own graph"
+            return False  # (graphs cannot be destroyed mid-capture: dropped at the next call)
+        if self.disabled_because is not None:
             self.clear()
-        return self.disabled_because is None and 1 <= num_tokens <= self.policy.max_tokens
+            return False
+        return 1 <= num_tokens <= self.policy.max_tokens
 
     def run(
         self,
