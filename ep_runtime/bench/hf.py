@@ -8,11 +8,11 @@ patched (its MoE blocks become EP blocks) and timed again, twice: with every lay
 its default (the row "ep_runtime defaults": what a user of ``patch_moe_blocks(model)`` gets)
 and with ``max_tokens_per_rank`` tuned to the workload (the row "ep_runtime tuned:
 max_tokens_per_rank=N", N from ``--tuned-max-tokens``, default the prefill's tokens; 0 skips
-it), on a model rebuilt from the same seed; on CUDA also a decode-only row "ep_runtime
-capacity + CUDA graphs" (capacity mode with the decode batch as its cap, each block's decode
-forward replayed as a CUDA graph: ``patch_moe_blocks(..., cuda_graph_tokens=B)``; ``--no-graphs``
-skips it). Prefill: ``--prefill-batch`` prompts
-of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
+it), on a model rebuilt from the same seed; on CUDA also the defaults with the layers' own
+graphs of eager forwards off (``forward_graphs=None``: what they give), and a decode-only row
+"ep_runtime capacity + CUDA graphs" (capacity mode with the decode batch as its cap, each
+block's decode forward replayed as a CUDA graph: ``patch_moe_blocks(..., cuda_graph_tokens=B)``;
+``--no-graphs`` skips it). Prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
 with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
 medians over ``--iters`` (after ``--warmup``), device-synchronised.
 
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if tuned > 0:
         settings.append((f"tuned: max_tokens_per_rank={tuned}", {"max_tokens_per_rank": tuned}))
     batch = args.decode_batch
+    if device.type == "cuda":  # what the layers' own graphs of eager forwards give (the default)
+        settings.append(("defaults but forward_graphs=None", {"forward_graphs": None}))
     if device.type == "cuda" and not args.no_graphs:
         graphs = {"mode": "capacity", "max_tokens_per_rank": batch, "cuda_graph_tokens": batch}
         settings.append((f"capacity + CUDA graphs (cap {batch}, decode only)", graphs))
