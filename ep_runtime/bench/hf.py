@@ -12,9 +12,10 @@ it), on a model rebuilt from the same seed; on CUDA also the defaults with the l
 graphs of eager forwards off (``forward_graphs=None``: what they give), and a decode-only row
 "ep_runtime capacity + CUDA graphs" (capacity mode with the decode batch as its cap, each
 block's decode forward replayed as a CUDA graph: ``patch_moe_blocks(..., cuda_graph_tokens=B)``;
-``--no-graphs`` skips it). Prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences
-with a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. Times are
-medians over ``--iters`` (after ``--warmup``), device-synchronised.
+``--no-graphs`` skips it). Prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens,
+no cache, last-token logits. Decode: ``--decode-batch`` sequences with a ``--decode-context``-token
+KV cache, ``--decode-steps`` one-token steps. Times are medians over ``--iters`` (after
+``--warmup``), device-synchronised.
 
     python -m ep_runtime.bench.hf               # GPU: bf16, the shapes above (Qwen3-30B-A3B
                                                 # layers, prefill 4 x 1024, decode 64 x 16)
