@@ -56,7 +56,8 @@ def route(
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
-    topk_weights = topk_weights * routed_scaling_factor
+    if routed_scaling_factor != 1.0:  # (a decode step's router is host-bound: no × 1 kernel)
+        topk_weights = topk_weights * routed_scaling_factor
     if logical_to_physical is not None:
         topk_ids = logical_to_physical.to(topk_ids.device)[topk_ids]
     return topk_ids.to(torch.int32), topk_weights.to(torch.float32)
