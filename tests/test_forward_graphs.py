@@ -53,6 +53,15 @@ def _pair(experts: str, layout: str, mode: str, policy: GraphPolicy | None = Non
     return graphed, eager
 
 
+def _captured(experts: str, layout: str, mode: str, tokens: int, policy=None):
+    """``_pair`` after three forwards of ``tokens`` tokens: eager, captured, replayed."""
+    graphed, eager = _pair(experts, layout, mode, policy)
+    for step in range(3):
+        graphed(*_inputs(tokens, step, torch.device("cuda")))
+    assert graphed.graphs.captured_token_counts == [tokens]
+    return graphed, eager
+
+
 def _check_against_reference(out: torch.Tensor, x, ids, weights, seed: int) -> None:
     w13, w2 = _weights(seed)
     ref, scale = reference_moe(
@@ -119,10 +128,8 @@ def test_layers_sharing_the_graph_inputs_keep_their_own_results() -> None:
 
 @needs_cuda
 def test_a_larger_eager_forward_does_not_break_a_captured_graph() -> None:
-    graphed, eager = _pair("triton", "standard", "exact", GraphPolicy(max_tokens=32))
+    graphed, eager = _captured("triton", "standard", "exact", 6, GraphPolicy(max_tokens=32))
     device = torch.device("cuda")
-    for step in range(3):
-        graphed(*_inputs(6, step, device))  # eager, captured, replayed
     big = _inputs(3000, 10, device)  # above max_tokens: eager, grows the work buffers
     assert torch.equal(graphed(*big), eager(*big))
     torch.cuda.empty_cache()  # memory freed by the growth goes back to the driver
@@ -136,11 +143,8 @@ def test_a_larger_eager_forward_does_not_break_a_captured_graph() -> None:
 
 @needs_cuda
 def test_new_weights_drop_the_graphs() -> None:
-    graphed, eager = _pair("triton", "expanded", "capacity")
+    graphed, eager = _captured("triton", "expanded", "capacity", 7)
     device = torch.device("cuda")
-    for step in range(3):
-        graphed(*_inputs(7, step, device))
-    assert graphed.graphs.captured_token_counts == [7]
     for layer in (graphed, eager):
         layer.load_weights(*_weights(5))
     assert graphed.graphs.captured_token_counts == []
@@ -193,10 +197,8 @@ def test_the_callers_own_capture_keeps_the_layers_buffers() -> None:
 
 @needs_cuda
 def test_bad_ids_in_a_replay_are_recorded() -> None:
-    graphed, eager = _pair("triton", "standard", "capacity")
+    graphed, eager = _captured("triton", "standard", "capacity", 6)
     device = torch.device("cuda")
-    for step in range(3):
-        graphed(*_inputs(6, step, device))
     x, ids, weights = _inputs(6, 9, device)
     ids[2, 0] = E + 3  # out of range: dropped on the device and counted
     graphed(x, ids, weights)
