@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ep_runtime import EPInputError, EPMoE, GraphPolicy, MoEConfig, reference_moe, route
+from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,7 +47,7 @@ def _pair(experts: str, layout: str, mode: str, policy: GraphPolicy | None = Non
         max_tokens_per_rank=64 if mode == "capacity" else None,
     )
     config = MoEConfig(E, K, H, I, dtype=torch.bfloat16)
-    graphed = EPMoE(config, forward_graphs=policy or GraphPolicy(), **options)
+    graphed = EPMoE(config, forward_graphs=policy or DEFAULT_GRAPH_POLICY, **options)
     eager = EPMoE(config, forward_graphs=None, **options)
     for layer in (graphed, eager):
         layer.load_weights(*_weights(seed))

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ep_runtime import EPMoE, GraphPolicy, MoEConfig, reference_moe
+from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.bench.timing import (
     copy_rate_bytes_per_ms,
     device_activity,
     graph_replay_ms,
     time_ms,
 )
+from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY
 from ep_runtime.kernels import resolve_ops
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -117,7 +118,7 @@ def build_layer(
         mode=point.mode,
         device=device,
         device_checks=device_checks,
-        forward_graphs=GraphPolicy() if forward_graphs else None,
+        forward_graphs=DEFAULT_GRAPH_POLICY if forward_graphs else None,
     )
 
 
