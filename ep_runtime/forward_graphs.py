@@ -95,7 +95,7 @@ class _Pool:
         self.handle = torch.cuda.graph_pool_handle()
         self._cell = torch.zeros(1, device=device)
         self._anchor = torch.cuda.CUDAGraph()
-        _capture_on(stream, self._anchor, self.handle, lambda: self._cell.add_(1))
+        capture_on(stream, self._anchor, self.handle, lambda: self._cell.add_(1))
 
 
 _POOLS: dict[torch.device, _Pool] = {}  # one per device (replaced after a failed capture)
@@ -193,7 +193,7 @@ class ForwardGraphs:
         self.release_workspace()
         graph = torch.cuda.CUDAGraph()
         try:
-            _capture_on(side, graph, pool.handle, lambda: forward(*io.rows(key.num_tokens)))
+            capture_on(side, graph, pool.handle, lambda: forward(*io.rows(key.num_tokens)))
         except Exception as error:  # this layer's forwards stay eager
             if _POOLS.get(device) is pool:  # a failed capture leaves its pool unusable
                 del _POOLS[device]
@@ -207,7 +207,7 @@ class ForwardGraphs:
         self._graphs[key] = (graph, io)
 
 
-def _capture_on(
+def capture_on(
     stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, pool: Any, work: Callable[[], Any]
 ) -> None:
     """Capture ``work`` into ``graph`` on ``stream``. ``torch.cuda.graph`` would also run a full

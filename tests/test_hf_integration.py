@@ -6,14 +6,13 @@ The multi-rank runs are in tests/multigpu/test_hf_generation.py."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import weakref
 
 import pytest
 import torch
 
-from ep_runtime import EPInputError
+from ep_runtime import EPInputError, route
 from ep_runtime.integrations.transformers import (
     RANDOM_MODELS,
     EPMoEBlock,
@@ -43,6 +42,26 @@ def by_expert_id(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
     return ordered, weights.float().gather(1, order)
 
 
+def route_as_settings(logits: torch.Tensor, block: EPMoEBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route()`` with the arguments read from the block's HF router (its ``RouterSettings``)."""
+    settings = block.router
+    ids, weights = route(
+        logits,
+        settings.top_k,
+        scoring=settings.scoring,
+        renormalize=settings.renormalize,
+        correction_bias=block.gate.e_score_correction_bias
+        if settings.uses_correction_bias
+        else None,
+        num_expert_groups=settings.num_expert_groups,
+        num_topk_groups=settings.num_topk_groups,
+        routed_scaling_factor=settings.routed_scaling_factor,
+    )
+    if settings.weights_in_logits_dtype:
+        weights = weights.to(logits.dtype).float()
+    return ids, weights
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("arch", RANDOM_MODELS)
 def test_block_output_and_routing_match_the_hf_block(arch: str, dtype: torch.dtype) -> None:
@@ -63,7 +82,7 @@ def test_block_output_and_routing_match_the_hf_block(arch: str, dtype: torch.dty
         )
         assert comparison.passed, comparison.describe()
         logits, hf_weights, hf_ids = hf_block.gate(x.reshape(-1, hidden))
-        ids, weights = patched.module.route(logits)
+        ids, weights = route_as_settings(logits, patched.module)
         hf_ids, hf_weights = by_expert_id(hf_ids, hf_weights)
         ids, weights = by_expert_id(ids, weights)
         assert torch.equal(ids, hf_ids)
@@ -109,10 +128,11 @@ def test_generation_matches_transformers_generate_and_stops_at_eos() -> None:
 
 
 def test_a_wrong_router_setting_fails_the_logits_check() -> None:
-    """Negative control: the same model with one block's renormalisation flipped must fail."""
+    """Negative control: the same model with one block's router renormalisation flipped (the
+    router module's own setting: the block uses its top-k) must fail."""
     reference, model, report = patched_pair("qwen3-moe")
-    block = report.blocks[0].module
-    block.router = dataclasses.replace(block.router, renormalize=not block.router.renormalize)
+    gate = report.blocks[0].module.gate
+    gate.norm_topk_prob = not gate.norm_topk_prob
     prompt = [7, 100, 3, 42, 9]
     _, expected_logits = hf_greedy(reference, prompt, 1, [])
     result = greedy_generate(model, report, prompt, 1)

@@ -43,7 +43,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ep_runtime.integrations.transformers import patch_moe_blocks, require_transformers
+from ep_runtime.integrations.transformers import (
+    find_moe_blocks,
+    patch_moe_blocks,
+    require_transformers,
+)
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 QWEN3_30B_A3B = dict(
@@ -185,11 +189,51 @@ def median_seconds(run: Callable[[], object], device: torch.device, iters: int, 
     return statistics.median(times)
 
 
+class BlockHostClock:
+    """Host time inside the MoE blocks' forwards, with no device sync: the host's time to issue
+    a block's work (router, routing, experts, shared experts), per block forward."""
+
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        self.blocks = blocks
+        self.seconds = 0.0
+        self.calls = 0
+        self._started = 0.0
+        self._handles: list = []
+
+    def _before(self, *_: object) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, *_: object) -> None:
+        self.seconds += time.perf_counter() - self._started
+        self.calls += 1
+
+    def __enter__(self) -> BlockHostClock:
+        for block in self.blocks:
+            self._handles.append(block.register_forward_pre_hook(self._before))
+            self._handles.append(block.register_forward_hook(self._after))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @property
+    def microseconds_per_forward(self) -> float:
+        return self.seconds / max(self.calls, 1) * 1e6
+
+
 def measure(
-    model, args, device: torch.device, prompts: torch.Tensor, decode_state, prefill: bool = True
+    model,
+    args,
+    device: torch.device,
+    prompts: torch.Tensor,
+    decode_state,
+    blocks: list[torch.nn.Module],
+    prefill: bool = True,
 ) -> dict:
-    """Prefill (unless ``prefill`` is False) and decode times of ``model`` as it is now; returns
-    seconds and the prefill logits (last token of each prompt), None for a phase not run."""
+    """Prefill (unless ``prefill`` is False) and decode times of ``model`` as it is now, and the
+    host µs per MoE block forward (``blocks``) over one more decode run; returns seconds and the
+    prefill logits (last token of each prompt), None for a phase not run."""
     context_cache, next_tokens = decode_state
 
     def run_prefill() -> torch.Tensor:
@@ -209,7 +253,15 @@ def measure(
             logits = run_prefill()[:, -1].float().cpu()  # [B, V]
             prefill_s = median_seconds(run_prefill, device, args.iters, args.warmup)
         decode_s = median_seconds(decode, device, args.iters, args.warmup)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "logits": logits}
+        with BlockHostClock(blocks) as clock:
+            decode()
+        sync(device)
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_block_host_us": clock.microseconds_per_forward,
+        "logits": logits,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     for implementation in args.hf_experts.split(","):
         model.set_experts_implementation(implementation)
+        hf_blocks = [block for _, block in find_moe_blocks(model)]
         results[f"transformers {implementation}"] = measure(
-            model, args, device, prompts, decode_state
+            model, args, device, prompts, decode_state, hf_blocks
         )
     tuned = args.tuned_max_tokens
     if tuned is None:
@@ -280,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         choice = report.choice.splitlines()[0].replace("dispatcher=", "").replace("experts=", "")
         name = f"ep_runtime {label} ({choice})"
         prefill = "cuda_graph_tokens" not in options  # the graphs' cap is the decode batch
-        results[name] = measure(model, args, device, prompts, decode_state, prefill)
+        ep_blocks = [block.module for block in report.blocks]
+        results[name] = measure(model, args, device, prompts, decode_state, ep_blocks, prefill)
         choices[label] = report.choice
         ours.append(name)
 
@@ -299,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         else f"--tiny: {config.num_hidden_layers} layers, H={config.hidden_size}, "
         f"E={config.num_experts}, K={config.num_experts_per_tok}, {args.dtype}, {device}"
     )
-    for column in ("phase", "MoE blocks", "tokens", "ms / forward", "tokens/s", "vs baseline"):
+    columns = ("phase", "MoE blocks", "tokens", "ms / forward", "tokens/s", "vs baseline", "host")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("phase", "MoE blocks") else "right")
     rows = []
     for phase in ("prefill", "decode"):
@@ -315,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ms_per_forward": seconds / forwards[phase] * 1e3,
                 "tokens_per_s": tokens[phase] / seconds,
                 "vs_baseline": base_s / seconds,
+                "block_host_us": result["decode_block_host_us"] if phase == "decode" else None,
             }
             rows.append(row)
             table.add_row(
@@ -324,11 +380,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ms_per_forward']:.2f}",
                 f"{row['tokens_per_s']:,.0f}",
                 f"{row['vs_baseline']:.2f}x",
+                "–" if row["block_host_us"] is None else f"{row['block_host_us']:.0f} µs",
             )
     console.print(table)
     console.print(
         f"baseline: {baseline_name}; 'defaults': patch_moe_blocks(model) with every layer option "
-        "at its default" + (f"; 'tuned': {settings[1][0].split(': ')[1]}" if tuned > 0 else ""),
+        "at its default"
+        + (f"; 'tuned': {settings[1][0].split(': ')[1]}" if tuned > 0 else "")
+        + "; host: the host's time to issue one MoE block forward at decode (no device sync, "
+        "one more decode run)",
         highlight=False,
     )
     agreements = {}

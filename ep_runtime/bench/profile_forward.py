@@ -11,7 +11,9 @@ kernels launched through ``LaunchedKernel``'s fast path, through Triton's ``JITF
 (the fast path off), the time spent inside the launches, and with every launch a no-op (the
 layer's own Python and torch calls alone; the device does nothing, so this is host only).
 
-On CUDA, "to issue" is the host's time per forward (forwards issued back to back, no sync), "to
+Exact-mode points run with ``device_checks=True`` (as ``experts_sweep`` and the transformers
+blocks do), so no host read of the ids' verdict ends a forward. On CUDA, "to issue" is the
+host's time per forward (forwards issued back to back, no sync), "to
 finish" includes the device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the
 same: at the tiny points the arithmetic is a few microseconds, so the time per forward is the
 layer's Python and dispatch overhead; on a shared machine the process's CPU time (also
@@ -142,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     w13, w2, x, ids, weights = inputs(point, device, dtype=dtype)
     layer = build_layer(
-        point, device, dtype=dtype, experts=args.experts, forward_graphs=args.forward_graphs == "on"
+        point,
+        device,
+        dtype=dtype,
+        experts=args.experts,
+        device_checks=point.mode == "exact",  # as the sweep and the transformers blocks: no
+        forward_graphs=args.forward_graphs == "on",  # host read ends an exact forward
     )
     layer.load_weights(w13, w2)
     for _ in range(5):

@@ -7,9 +7,9 @@ On every rank (data-parallel attention, expert-parallel MoE; the default process
     result = greedy_generate(model, report, prompt_ids, max_new_tokens=32)
 
 ``patch_moe_blocks`` replaces every supported sparse-MoE block with an ``EPMoEBlock``: the block's
-own router module runs on the rank (the same logits, the same output-recording hooks), ``route()``
-reproduces the router's top-k from those logits, an ``EPMoE`` that holds only this rank's expert
-shard computes the routed experts, and the block's shared experts (if any) run locally. Nothing
+own router module runs on the rank (the same logits and top-k, the same output-recording hooks),
+an ``EPMoE`` that holds only this rank's expert shard computes the routed experts from the
+router's top-k ids and weights, and the block's shared experts (if any) run locally. Nothing
 else in the model changes. ``greedy_generate`` keeps every rank in every MoE collective until all
 ranks are done: a rank with no request, or one that has finished, runs each MoE block on zero
 tokens, in layer order.

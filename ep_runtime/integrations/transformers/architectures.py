@@ -1,5 +1,7 @@
 """The supported sparse-MoE block classes and how to read each one's router into ``route()``
-arguments. Matches blocks by class name and module only: nothing here imports ``transformers``."""
+arguments. The blocks run the router module itself; these settings describe its routing in
+reports, and the tests check that ``route()`` with them reproduces it bit for bit. Matches
+blocks by class name and module only: nothing here imports ``transformers``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CUDA graphs of the EP blocks' decode forwards (``patch_moe_blocks(..., cuda_graph_tokens=N)``).
 
-Each ``EPMoEBlock`` captures its whole forward (the router, ``route()``, the capacity-mode
+Each ``EPMoEBlock`` captures its whole forward (the router, the capacity-mode
 ``EPMoE`` and the shared experts) once per token count it meets, up to ``N`` tokens, and replays
 it from then on: a decode step's MoE host work becomes one graph launch per block. Inputs of
 more tokens (prefill) and of none (an idle rank) run eager. The replay runs the same kernels on
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.config import DEFAULT_MAX_TOKENS_PER_RANK
+from ep_runtime.forward_graphs import capture_on
 from ep_runtime.types import DispatchMode, EPInputError
 
 OPTION = "cuda_graph_tokens"
@@ -76,8 +77,9 @@ class _Capture:
 
 class BlockGraphs:
     """One block's forward ``run(x [T, H]) -> [T, H]`` as CUDA graphs, one per token count
-    ``1 <= T <= max_tokens``, captured at the first call with that count; the graphs of every
-    block share one memory pool."""
+    ``1 <= T <= max_tokens``, captured at the first call with that count (``capture_on``: no
+    garbage collection and cache flush per capture); the graphs of every block share one memory
+    pool."""
 
     def __init__(
         self, run: Callable[[torch.Tensor], torch.Tensor], max_tokens: int, pool: Any
@@ -113,6 +115,6 @@ class BlockGraphs:
                 self.run(static_x)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.run(static_x)
-        return _Capture(graph, static_x, out)
+        outputs: list[torch.Tensor] = []
+        capture_on(side, graph, self.pool, lambda: outputs.append(self.run(static_x)))
+        return _Capture(graph, static_x, outputs[0])

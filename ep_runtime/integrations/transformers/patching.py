@@ -1,5 +1,5 @@
-"""``EPMoEBlock`` (a HF sparse-MoE block's router, ``route()``, an ``EPMoE`` shard and its shared
-experts) and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
+"""``EPMoEBlock`` (a HF sparse-MoE block's router, an ``EPMoE`` shard and its shared experts)
+and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
 the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard. FP8 experts
 (transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they are: e4m3
 weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``."""
@@ -25,15 +25,16 @@ from ep_runtime.integrations.transformers.architectures import (
 from ep_runtime.integrations.transformers.graphs import BlockGraphs, check_graph_option
 from ep_runtime.layer import EPMoE
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Quantization
-from ep_runtime.routing import route
 from ep_runtime.types import EPInputError
 
 
 class EPMoEBlock(nn.Module):
-    """Drop-in for a HF sparse-MoE block: its router, ``route()``, ``EPMoE``, its shared experts.
+    """Drop-in for a HF sparse-MoE block: its router, ``EPMoE``, its shared experts.
 
     ``forward`` takes and returns what the HF block does (``[B, S, H]`` → ``[B, S, H]``, or any
-    ``[..., H]``). Inference only: the all-to-all has no backward.
+    ``[..., H]``). Inference only: the all-to-all has no backward. The experts get the top-k ids
+    and weights the HF router itself returns (what transformers hands its own experts), so no
+    routing is computed twice; ``router`` describes that routing (``route()``'s arguments).
     """
 
     def __init__(
@@ -64,33 +65,13 @@ class EPMoEBlock(nn.Module):
         return run(x).view(shape)
 
     def tokens_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, H]
-        """Router, ``route()``, the EP layer and the shared experts on ``[T, H]`` rows: what a
-        CUDA graph of the block captures."""
-        router_logits = self.gate(x)[0]  # [T, E]
-        topk_ids, topk_weights = self.route(router_logits)  # [T, K] int32, [T, K] fp32
+        """Router, the EP layer and the shared experts on ``[T, H]`` rows: what a CUDA graph of
+        the block captures."""
+        _, topk_weights, topk_ids = self.gate(x)  # [T, K] each: the HF router's own top-k
         out = self.ep(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The HF router's top-k ids and weights, from its logits ``[T, E]``."""
-        settings = self.router
-        topk_ids, topk_weights = route(
-            router_logits,
-            settings.top_k,
-            scoring=settings.scoring,
-            renormalize=settings.renormalize,
-            correction_bias=self.gate.e_score_correction_bias
-            if settings.uses_correction_bias
-            else None,
-            num_expert_groups=settings.num_expert_groups,
-            num_topk_groups=settings.num_topk_groups,
-            routed_scaling_factor=settings.routed_scaling_factor,
-        )
-        if settings.weights_in_logits_dtype:
-            topk_weights = topk_weights.to(router_logits.dtype).float()
-        return topk_ids, topk_weights
 
     def forward_idle(self) -> None:
         """This rank's part of the block's collectives with no tokens of its own (T = 0): it
@@ -265,7 +246,7 @@ def patch_moe_blocks(
             dtype=w13.dtype if scales is None else _activation_dtype(model),
             quantization=None if scales is None else Quantization.FP8_BLOCK,
         )
-        # route() gives ids in range: checked on the device, no host read per forward alone;
+        # the router's top-k ids are in range: checked on the device, no host read per forward;
         # with the blocks' own graphs, the layers capture none of their own
         options = {"device": w13.device, "device_checks": True, **layer_options}
         if graph_pool is not None:
