@@ -56,7 +56,17 @@ def free_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    # one read of the allocator's counters: memory_reserved() and memory_allocated() each
+    # flatten every statistic into a dict (40 % of an exact prefill forward's host time under
+    # cProfile on the H200)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # no allocation on the device yet
+        return free
+    return (
+        free
+        + stats["reserved_bytes"]["all"]["current"]
+        - stats["allocated_bytes"]["all"]["current"]
+    )
 
 
 @dataclass(frozen=True)

@@ -2,20 +2,23 @@
 ep_runtime's (``patch_moe_blocks``), at prefill and decode, world size 1 (no process group).
 
 The model has Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of intermediate 768, top-8,
-32 heads / 4 KV heads of 128) with ``--layers`` layers and seeded random weights. Each
-transformers experts implementation in ``--hf-experts`` is timed first; then the same model is
-patched (its MoE blocks become EP blocks) and timed again, twice: with every layer option at
-its default (the row "ep_runtime defaults": what a user of ``patch_moe_blocks(model)`` gets)
-and with ``max_tokens_per_rank`` tuned to the workload (the row "ep_runtime tuned:
-max_tokens_per_rank=N", N from ``--tuned-max-tokens``, default the prefill's tokens; 0 skips
-it), on a model rebuilt from the same seed; on CUDA also the defaults with the layers' own
-graphs of eager forwards off (``forward_graphs=None``: what they give), and a decode-only row
-"ep_runtime capacity + CUDA graphs" (capacity mode with the decode batch as its cap, each
-block's decode forward replayed as a CUDA graph: ``patch_moe_blocks(..., cuda_graph_tokens=B)``;
-``--no-graphs`` skips it). Prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens,
-no cache, last-token logits. Decode: ``--decode-batch`` sequences with a ``--decode-context``-token
-KV cache, ``--decode-steps`` one-token steps. Times are medians over ``--iters`` (after
-``--warmup``), device-synchronised.
+32 heads / 4 KV heads of 128) with ``--layers`` layers and seeded random weights. The rows: each
+transformers experts implementation in ``--hf-experts`` (the first is the baseline); the model
+patched (its MoE blocks become EP blocks) with every layer option at its default (the row
+"ep_runtime defaults": what a user of ``patch_moe_blocks(model)`` gets); with
+``max_tokens_per_rank`` tuned to the workload (the row "ep_runtime tuned: max_tokens_per_rank=N",
+N from ``--tuned-max-tokens``, default the prefill's tokens; 0 skips it); on CUDA also the
+defaults with the layers' own graphs of eager forwards off (``forward_graphs=None``: what they
+give), and a decode-only row "ep_runtime capacity + CUDA graphs" (capacity mode with the decode
+batch as its cap, each block's decode forward replayed as a CUDA graph:
+``patch_moe_blocks(..., cuda_graph_tokens=B)``; ``--no-graphs`` skips it). Every patched row
+has its own copy of the same weights (rebuilt from the seed), all held at once, so the rows'
+timings are interleaved: each of ``--iters`` rounds (after ``--warmup``) times every row once,
+device-synchronised, and a row's figure is its median. Prefill: ``--prefill-batch`` prompts of
+``--prefill-len`` tokens, no cache, last-token logits. Decode: ``--decode-batch`` sequences with
+a ``--decode-context``-token KV cache, ``--decode-steps`` one-token steps. The column "host":
+the host's time to issue one MoE block forward at decode (router, routing, experts, shared
+experts; no device sync), over one more decode run of each row.
 
     python -m ep_runtime.bench.hf               # GPU: bf16, the shapes above (Qwen3-30B-A3B
                                                 # layers, prefill 4 x 1024, decode 64 x 16)
@@ -37,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -175,18 +179,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(run: Callable[[], object], device: torch.device, iters: int, warmup: int):
-    """Median wall time of ``run()`` over ``iters`` calls after ``warmup`` calls, synchronised."""
-    for _ in range(warmup):
-        run()
-    times = []
+def interleaved_medians(
+    runs: dict[str, Callable[[], object]], device: torch.device, iters: int, warmup: int
+) -> dict[str, float]:
+    """Median wall time of each ``runs[name]()`` over ``iters`` calls after ``warmup`` calls,
+    synchronised. The calls are interleaved (one of each per round), so a slow spell of a shared
+    host or GPU lands on every row alike instead of on whichever row it met."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(iters):
-        sync(device)
-        start = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            run()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 class BlockHostClock:
@@ -222,24 +232,38 @@ class BlockHostClock:
         return self.seconds / max(self.calls, 1) * 1e6
 
 
+@dataclass
+class Contender:
+    """One row of the table: a model as it runs (transformers' blocks with one experts
+    implementation, or patched), its MoE blocks, and whether it takes the prefill."""
+
+    name: str
+    model: torch.nn.Module
+    blocks: list[torch.nn.Module]
+    prefill: bool = True
+    experts_implementation: str | None = None  # transformers' own blocks: set before each call
+
+    def runner(self, run: Callable[[torch.nn.Module], object]) -> Callable[[], object]:
+        def call() -> object:
+            if self.experts_implementation is not None:
+                self.model.set_experts_implementation(self.experts_implementation)
+            return run(self.model)
+
+        return call
+
+
 def measure(
-    model,
-    args,
-    device: torch.device,
-    prompts: torch.Tensor,
-    decode_state,
-    blocks: list[torch.nn.Module],
-    prefill: bool = True,
-) -> dict:
-    """Prefill (unless ``prefill`` is False) and decode times of ``model`` as it is now, and the
-    host µs per MoE block forward (``blocks``) over one more decode run; returns seconds and the
-    prefill logits (last token of each prompt), None for a phase not run."""
+    contenders: list[Contender], args, device: torch.device, prompts: torch.Tensor, decode_state
+) -> dict[str, dict]:
+    """Per contender: prefill (where it takes it) and decode seconds, interleaved, the host µs per
+    MoE block forward over one more decode run, and the prefill logits (last token of each
+    prompt); None for a phase not run."""
     context_cache, next_tokens = decode_state
 
-    def run_prefill() -> torch.Tensor:
+    def run_prefill(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=prompts, use_cache=False, logits_to_keep=1).logits
 
-    def decode() -> None:
+    def decode(model: torch.nn.Module) -> None:
         cache = copy.deepcopy(context_cache)
         tokens = next_tokens
         for _ in range(args.decode_steps):
@@ -247,21 +271,24 @@ def measure(
             cache = out.cache
             tokens = out.logits[:, -1:].argmax(-1)
 
-    logits = prefill_s = None
+    results: dict[str, dict] = {c.name: {"prefill_s": None, "logits": None} for c in contenders}
     with torch.no_grad():
-        if prefill:
-            logits = run_prefill()[:, -1].float().cpu()  # [B, V]
-            prefill_s = median_seconds(run_prefill, device, args.iters, args.warmup)
-        decode_s = median_seconds(decode, device, args.iters, args.warmup)
-        with BlockHostClock(blocks) as clock:
-            decode()
-        sync(device)
-    return {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "decode_block_host_us": clock.microseconds_per_forward,
-        "logits": logits,
-    }
+        prefilling = [c for c in contenders if c.prefill]
+        for contender in prefilling:
+            logits = contender.runner(run_prefill)()[:, -1].float().cpu()  # [B, V]
+            results[contender.name]["logits"] = logits
+        runs = {c.name: c.runner(run_prefill) for c in prefilling}
+        for name, seconds in interleaved_medians(runs, device, args.iters, args.warmup).items():
+            results[name]["prefill_s"] = seconds
+        runs = {c.name: c.runner(decode) for c in contenders}
+        for name, seconds in interleaved_medians(runs, device, args.iters, args.warmup).items():
+            results[name]["decode_s"] = seconds
+        for contender in contenders:
+            with BlockHostClock(contender.blocks) as clock:
+                contender.runner(decode)()
+            sync(device)
+            results[contender.name]["decode_block_host_us"] = clock.microseconds_per_forward
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,13 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         del reference, out
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    results: dict[str, dict] = {}
-    for implementation in args.hf_experts.split(","):
-        model.set_experts_implementation(implementation)
-        hf_blocks = [block for _, block in find_moe_blocks(model)]
-        results[f"transformers {implementation}"] = measure(
-            model, args, device, prompts, decode_state, hf_blocks
-        )
+    hf_blocks = [block for _, block in find_moe_blocks(model)]
+    contenders = [
+        Contender(f"transformers {implementation}", model, hf_blocks, True, implementation)
+        for implementation in args.hf_experts.split(",")
+    ]
     tuned = args.tuned_max_tokens
     if tuned is None:
         tuned = max(args.prefill_batch * args.prefill_len, args.decode_batch)
@@ -319,24 +344,21 @@ def main(argv: list[str] | None = None) -> int:
         settings.append((f"capacity + CUDA graphs (cap {batch}, decode only)", graphs))
     choices: dict[str, str] = {}
     ours: list[str] = []
-    for index, (label, options) in enumerate(settings):
-        if index:  # the same weights again (seeded), unpatched
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            torch.manual_seed(args.seed)
-            model = build_model(args, device, dtype)
+    for label, options in settings:  # each on its own copy of the same weights (seeded)
+        torch.manual_seed(args.seed)
+        patched = build_model(args, device, dtype)
         options = {"mode": args.mode, **options}
         report = patch_moe_blocks(
-            model, dispatcher=args.dispatcher, experts=args.experts, **options
+            patched, dispatcher=args.dispatcher, experts=args.experts, **options
         )
         choice = report.choice.splitlines()[0].replace("dispatcher=", "").replace("experts=", "")
         name = f"ep_runtime {label} ({choice})"
         prefill = "cuda_graph_tokens" not in options  # the graphs' cap is the decode batch
-        ep_blocks = [block.module for block in report.blocks]
-        results[name] = measure(model, args, device, prompts, decode_state, ep_blocks, prefill)
+        blocks = [block.module for block in report.blocks]
+        contenders.append(Contender(name, patched, blocks, prefill))
         choices[label] = report.choice
         ours.append(name)
+    results = measure(contenders, args, device, prompts, decode_state)
 
     baseline_name = next(iter(results))
     tolerance = tolerance_for(dtype, max(config.hidden_size, config.moe_intermediate_size))

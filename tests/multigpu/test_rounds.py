@@ -70,3 +70,17 @@ def test_the_smallest_bound_wins(pool_factory) -> None:
     results = run(pool_factory(2), spec_for(2, "standard", cap=1000), free_tokens=(3000, 500))
     assert [r.tokens_per_round for r in results] == [1000, 500]
     assert [r.rounds for r in results] == [math.ceil(PREFILL / 500)] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_free_device_bytes_is_the_driver_free_plus_the_allocators_unused_cache() -> None:
+    from ep_runtime.rounds import free_device_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del held  # 64 MiB back in the allocator's cache, reserved but not allocated
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert unused >= 64 << 20
+    assert free_device_bytes(device) == free + unused
+    assert free_device_bytes(torch.device("cpu")) is None
