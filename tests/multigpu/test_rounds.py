@@ -84,3 +84,32 @@ def test_free_device_bytes_is_the_driver_free_plus_the_allocators_unused_cache()
     assert unused >= 64 << 20
     assert free_device_bytes(device) == free + unused
     assert free_device_bytes(torch.device("cpu")) is None
+
+
+def test_a_recent_free_memory_reading_serves_forwards_that_fit_it(monkeypatch) -> None:
+    """The driver is read once per ``READING_TTL_S`` while forwards fit the last reading; a
+    forward that does not fit it, or one after the reading expired, reads again."""
+    from ep_runtime import rounds
+
+    reads: list[int] = []
+    free = {"bytes": 100 << 30}
+    clock = {"now": 1000.0}
+
+    def reader(_device: torch.device) -> int:
+        reads.append(free["bytes"])
+        return free["bytes"]
+
+    monkeypatch.setattr(rounds, "free_device_bytes", reader)
+    monkeypatch.setattr(rounds.time, "monotonic", lambda: clock["now"])
+    per_token = 1 << 20  # 1 MiB a token: 4096 tokens need 4 GiB, above the query floor
+    bounds = rounds.RoundBounds.of(None, None, per_token, torch.device("cpu"))
+    assert bounds.tokens_per_round(4096) == 4096 and len(reads) == 1
+    assert bounds.tokens_per_round(4096) == 4096 and len(reads) == 1  # the reading reused
+    assert bounds.tokens_per_round(32) == 32 and len(reads) == 1  # below the floor: no read
+    free["bytes"] = 4 << 30  # memory taken since: a forward that fits the old reading
+    assert bounds.tokens_per_round(8192) == 8192 and len(reads) == 1  # 8 GiB <= 50 GiB
+    assert bounds.tokens_per_round(60 * 1024) == 2048 and len(reads) == 2  # 60 GiB: read again
+    clock["now"] += rounds.READING_TTL_S  # expired: the next forward reads again
+    assert bounds.tokens_per_round(4096) == 2048 and len(reads) == 3
+    other = rounds.RoundBounds.of(None, None, per_token, torch.device("cpu"))
+    assert other.tokens_per_round(1024) == 1024 and len(reads) == 4  # a reading per layer
