@@ -29,6 +29,7 @@ import torch
 MEMORY_FRACTION = 0.5  # of the free memory a round's buffers may take (headroom: imbalance, model)
 QUERY_ABOVE_BYTES = 64 << 20  # forwards whose buffers are estimated below this never ask
 READING_TTL_S = 1.0  # a layer's free-memory reading serves its forwards that fit it this long
+clock = time.monotonic  # when a reading was taken (a module attribute: tests set their own)
 
 
 def bytes_per_token(
@@ -77,7 +78,7 @@ def free_device_bytes(device: torch.device) -> int | None:
 
 @dataclass
 class _Reading:
-    """A layer's last free-memory reading: bytes, and ``time.monotonic()`` when read."""
+    """A layer's last free-memory reading: bytes, and ``clock()`` when read."""
 
     free_bytes: int = 0
     read_at: float = -math.inf
@@ -113,7 +114,7 @@ class RoundBounds:
     def _free_bytes(self, needed: int) -> int | None:
         """Free device bytes: the last reading where it is recent and the forward fits it (so
         it runs as one round either way), else a new one."""
-        reading, now = self._reading, time.monotonic()
+        reading, now = self._reading, clock()
         if now - reading.read_at < READING_TTL_S and MEMORY_FRACTION * reading.free_bytes >= needed:
             return reading.free_bytes
         free = free_device_bytes(self.device)

@@ -100,7 +100,7 @@ def test_a_recent_free_memory_reading_serves_forwards_that_fit_it(monkeypatch) -
         return free["bytes"]
 
     monkeypatch.setattr(rounds, "free_device_bytes", reader)
-    monkeypatch.setattr(rounds.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(rounds, "clock", lambda: clock["now"])
     per_token = 1 << 20  # 1 MiB a token: 4096 tokens need 4 GiB, above the query floor
     bounds = rounds.RoundBounds.of(None, None, per_token, torch.device("cpu"))
     assert bounds.tokens_per_round(4096) == 4096 and len(reads) == 1
