@@ -60,7 +60,8 @@ class EPMoE(torch.nn.Module):
     ``device_checks=True``: in exact mode at world size 1 on CUDA, ids are checked on the device
     (a bad one is dropped to -1 and counted, and ``check()`` raises, as in capacity mode) instead of
     one host read at the end of every forward, so eager forwards do not wait for the GPU. For
-    callers whose ids cannot be out of range (``route()``'s); the transformers blocks set it.
+    callers whose ids cannot be out of range (``route()``'s, an HF router's top-k); the
+    transformers blocks set it.
     With peers, exact mode reads the headers on the host anyway and it changes nothing.
 
     ``forward_graphs``: where a forward reads nothing on the host (CUDA, world size 1, capacity

@@ -51,7 +51,8 @@ class LayerSpec:
     num_redundant_experts: int = 0  # R: expert slots beyond one per logical expert (eplb/)
     eplb_interval: int | None = None  # rebalance every N forwards; None: only when asked
     # exact mode alone (a world of one): ids checked on the device and raised by check(), as in
-    # capacity mode, instead of one host read per forward (for ids from route(): always valid)
+    # capacity mode, instead of one host read per forward (for ids from route() or an HF
+    # router's top-k: always valid)
     device_checks: bool = False
 
     @classmethod

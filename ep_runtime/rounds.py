@@ -11,7 +11,9 @@ default. Three bounds can split it into rounds of at most ``b`` tokens (the smal
   forward is large enough to matter; ``bytes_per_token`` has the formula). The driver's reading
   took 50–180 µs of host on the H200 (an exact prefill forward issues in ~0.7 ms), so a layer
   reuses its last reading for ``READING_TTL_S`` while the forward fits it; a forward that does
-  not fit the last reading reads again before it is split.
+  not fit the last reading reads again before it is split. The trade: a forward that fits a
+  reading under a second old runs as one round even if memory was taken since, so in that
+  window it can fail to allocate where a fresh reading would have split it.
 
 The ranks agree on the number of rounds in every forward's header (the most any rank needs; a
 rank that needs fewer sends empty rounds), so the bounds may differ between ranks and none of
@@ -67,7 +69,7 @@ def free_device_bytes(device: torch.device) -> int | None:
     # flatten every statistic into a dict (40 % of an exact prefill forward's host time under
     # cProfile on the H200)
     stats = torch.cuda.memory_stats_as_nested_dict(device)
-    if not stats:  # no allocation on the device yet
+    if not stats:  # the allocator not initialised: it holds nothing
         return free
     return (
         free
@@ -87,12 +89,13 @@ class _Reading:
 @dataclass(frozen=True)
 class RoundBounds:
     """The bounds on one layer's exact-mode rounds: the fixed ones (the user's and the
-    dispatcher's, the smaller of them) and what the memory one is computed from."""
+    dispatcher's, the smaller of them) and what the memory one is computed from, with the
+    layer's last free-memory reading (module docstring)."""
 
     fixed: int | None  # min(max_tokens_per_rank, Dispatcher.max_round_tokens); None: neither
     bytes_per_token: int
     device: torch.device
-    _reading: _Reading = field(default_factory=_Reading, compare=False, repr=False)
+    _reading: _Reading = field(default_factory=_Reading, init=False, compare=False, repr=False)
 
     @classmethod
     def of(

@@ -36,17 +36,21 @@ import argparse
 import copy
 import json
 import shlex
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from ep_runtime.bench.hf_timing import (
+    BlockHostClock,
+    Contender,
+    check_room_for_rows,
+    interleaved_medians,
+    sync,
+)
 from ep_runtime.integrations.transformers import (
     find_moe_blocks,
     patch_moe_blocks,
@@ -98,7 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("--tiny", action="store_true", help="a small model and workload (CPU)")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="decoder layers (every row holds a model of them on the device at once)",
+    )
     parser.add_argument(
         "--vocab-size",
         type=positive_int,
@@ -174,86 +183,12 @@ def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return model.eval()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved_medians(
-    runs: dict[str, Callable[[], object]], device: torch.device, iters: int, warmup: int
-) -> dict[str, float]:
-    """Median wall time of each ``runs[name]()`` over ``iters`` calls after ``warmup`` calls,
-    synchronised. The calls are interleaved (one of each per round), so a slow spell of a shared
-    host or GPU lands on every row alike instead of on whichever row it met."""
-    for run in runs.values():
-        for _ in range(warmup):
-            run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(iters):
-        for name, run in runs.items():
-            sync(device)
-            start = time.perf_counter()
-            run()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
-
-
-class BlockHostClock:
-    """Host time inside the MoE blocks' forwards, with no device sync: the host's time to issue
-    a block's work (router, routing, experts, shared experts), per block forward."""
-
-    def __init__(self, blocks: list[torch.nn.Module]) -> None:
-        self.blocks = blocks
-        self.seconds = 0.0
-        self.calls = 0
-        self._started = 0.0
-        self._handles: list = []
-
-    def _before(self, *_: object) -> None:
-        self._started = time.perf_counter()
-
-    def _after(self, *_: object) -> None:
-        self.seconds += time.perf_counter() - self._started
-        self.calls += 1
-
-    def __enter__(self) -> BlockHostClock:
-        for block in self.blocks:
-            self._handles.append(block.register_forward_pre_hook(self._before))
-            self._handles.append(block.register_forward_hook(self._after))
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    @property
-    def microseconds_per_forward(self) -> float:
-        return self.seconds / max(self.calls, 1) * 1e6
-
-
-@dataclass
-class Contender:
-    """One row of the table: a model as it runs (transformers' blocks with one experts
-    implementation, or patched), its MoE blocks, and whether it takes the prefill."""
-
-    name: str
-    model: torch.nn.Module
-    blocks: list[torch.nn.Module]
-    prefill: bool = True
-    experts_implementation: str | None = None  # transformers' own blocks: set before each call
-
-    def runner(self, run: Callable[[torch.nn.Module], object]) -> Callable[[], object]:
-        def call() -> object:
-            if self.experts_implementation is not None:
-                self.model.set_experts_implementation(self.experts_implementation)
-            return run(self.model)
-
-        return call
-
-
 def measure(
-    contenders: list[Contender], args, device: torch.device, prompts: torch.Tensor, decode_state
+    contenders: list[Contender],
+    args: argparse.Namespace,
+    device: torch.device,
+    prompts: torch.Tensor,  # [B, P] token ids
+    decode_state: tuple[Any, torch.Tensor],  # (the context's KV cache, next tokens [B, 1])
 ) -> dict[str, dict]:
     """Per contender: prefill (where it takes it) and decode seconds, interleaved, the host µs per
     MoE block forward over one more decode run, and the prefill logits (last token of each
@@ -275,17 +210,19 @@ def measure(
     with torch.no_grad():
         prefilling = [c for c in contenders if c.prefill]
         for contender in prefilling:
-            logits = contender.runner(run_prefill)()[:, -1].float().cpu()  # [B, V]
+            contender.prepare()
+            logits = run_prefill(contender.model)[:, -1].float().cpu()  # [B, V]
             results[contender.name]["logits"] = logits
-        runs = {c.name: c.runner(run_prefill) for c in prefilling}
+        runs = {c.name: c.timed(run_prefill) for c in prefilling}
         for name, seconds in interleaved_medians(runs, device, args.iters, args.warmup).items():
             results[name]["prefill_s"] = seconds
-        runs = {c.name: c.runner(decode) for c in contenders}
+        runs = {c.name: c.timed(decode) for c in contenders}
         for name, seconds in interleaved_medians(runs, device, args.iters, args.warmup).items():
             results[name]["decode_s"] = seconds
         for contender in contenders:
+            contender.prepare()
             with BlockHostClock(contender.blocks) as clock:
-                contender.runner(decode)()
+                decode(contender.model)
             sync(device)
             results[contender.name]["decode_block_host_us"] = clock.microseconds_per_forward
     return results
@@ -342,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not args.no_graphs:
         graphs = {"mode": "capacity", "max_tokens_per_rank": batch, "cuda_graph_tokens": batch}
         settings.append((f"capacity + CUDA graphs (cap {batch}, decode only)", graphs))
+    check_room_for_rows(model, len(settings), device)
     choices: dict[str, str] = {}
     ours: list[str] = []
     for label, options in settings:  # each on its own copy of the same weights (seeded)

@@ -13,11 +13,11 @@ layer's own Python and torch calls alone; the device does nothing, so this is ho
 
 Exact-mode points run with ``device_checks=True`` (as ``experts_sweep`` and the transformers
 blocks do), so no host read of the ids' verdict ends a forward. On CUDA, "to issue" is the
-host's time per forward (forwards issued back to back, no sync), "to
-finish" includes the device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the
-same: at the tiny points the arithmetic is a few microseconds, so the time per forward is the
-layer's Python and dispatch overhead; on a shared machine the process's CPU time (also
-printed) is steadier than the wall time. Times are the best of ``--repeats`` batches of
+host's time per forward (forwards issued back to back, no sync), "to finish" includes the
+device. On CPU (fp32 by default: CPU bf16 GEMMs are slow) the two are the same: at the tiny
+points the arithmetic is a few microseconds, so the time per forward is the layer's Python and
+dispatch overhead; on a shared machine the process's CPU time (also printed) is steadier than
+the wall time. Times are the best of ``--repeats`` batches of
 ``--forwards`` (noise only ever adds). Set ``OMP_NUM_THREADS=1`` on CPU to keep torch's
 thread pool out of the figure.
 """
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         device,
         dtype=dtype,
         experts=args.experts,
-        device_checks=point.mode == "exact",  # as the sweep and the transformers blocks: no
-        forward_graphs=args.forward_graphs == "on",  # host read ends an exact forward
+        device_checks=point.mode == "exact",  # no host read ends an exact forward
+        forward_graphs=args.forward_graphs == "on",
     )
     layer.load_weights(w13, w2)
     for _ in range(5):

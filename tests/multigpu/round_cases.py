@@ -28,7 +28,7 @@ class RoundsResult:
 def run_rounds_case(spec: CaseSpec, free_tokens: tuple[int | None, ...] | None) -> RoundsResult:
     """One forward of ``spec`` on this rank. ``free_tokens[rank]``: a stand-in for CUDA's free
     memory, as many bytes as that many tokens' buffers need (``rounds.MEMORY_FRACTION`` of it
-    used), queried at every forward; ``None``: the real reader (None on CPU: no bound)."""
+    used), read as the real one is; ``None``: the real reader (None on CPU: no bound)."""
     rank = dist.get_rank()
     x, ids, weights = make_inputs(spec, rank)
     w13, w2 = make_weights(spec)
