@@ -14,6 +14,13 @@ class Scoring(str, enum.Enum):
     SIGMOID = "sigmoid"  # DeepSeek-V3, Nemotron-3
 
 
+class GroupScoring(str, enum.Enum):
+    """How group-limited routing ranks the expert groups."""
+
+    TOP2_SUM = "top2_sum"  # the sum of a group's two best scores (DeepSeek-V3)
+    MAX = "max"  # a group's best score (DeepSeek-V2's "group_limited_greedy")
+
+
 def route(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
@@ -23,13 +30,16 @@ def route(
     correction_bias: torch.Tensor | None = None,  # [E], selection only (DeepSeek-V3)
     num_expert_groups: int | None = None,
     num_topk_groups: int | None = None,
+    group_scoring: GroupScoring | str = GroupScoring.TOP2_SUM,
     routed_scaling_factor: float = 1.0,
     logical_to_physical: torch.Tensor | None = None,  # [E] int, applied last; not for EPMoE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token; weights from the scores (bias only steers selection).
 
     softmax → top-k (→ renormalise): Qwen3 renormalises, DeepSeek-V2-Lite does not.
-    sigmoid + bias, group-limited top-k, renormalise, × routed_scaling_factor: DeepSeek-V3.
+    sigmoid + bias, group-limited top-k, renormalise, × routed_scaling_factor: DeepSeek-V3
+    (groups ranked by their two best scores' sum; ``group_scoring="max"``: by their best,
+    DeepSeek-V2's softmax group-limited routing).
     ``EPMoE`` takes logical ids and maps them to its replicas itself (docs/eplb.md).
     """
     if router_logits.dim() != 2:
@@ -41,6 +51,12 @@ def route(
         scoring = Scoring(scoring)
     except ValueError:
         raise EPInputError("scoring", f"one of {[s.value for s in Scoring]}", scoring) from None
+    try:
+        group_scoring = GroupScoring(group_scoring)
+    except ValueError:
+        raise EPInputError(
+            "group_scoring", f"one of {[g.value for g in GroupScoring]}", group_scoring
+        ) from None
     if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
         raise EPInputError("correction_bias", f"shape [{num_experts}]", list(correction_bias.shape))
     if logical_to_physical is not None and tuple(logical_to_physical.shape) != (num_experts,):
@@ -51,7 +67,9 @@ def route(
     scores = logits.softmax(-1) if scoring is Scoring.SOFTMAX else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_groups is not None:
-        choice = _mask_to_top_groups(choice, num_expert_groups, num_topk_groups, top_k)
+        choice = _mask_to_top_groups(
+            choice, num_expert_groups, num_topk_groups, top_k, group_scoring
+        )
     topk_ids = choice.topk(top_k, dim=-1, sorted=True).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
@@ -64,9 +82,13 @@ def route(
 
 
 def _mask_to_top_groups(
-    choice: torch.Tensor, num_groups: int, num_topk_groups: int | None, top_k: int
+    choice: torch.Tensor,
+    num_groups: int,
+    num_topk_groups: int | None,
+    top_k: int,
+    group_scoring: GroupScoring,
 ) -> torch.Tensor:
-    """Keep experts of the ``num_topk_groups`` groups whose two best scores sum highest."""
+    """Keep experts of the ``num_topk_groups`` groups ranked highest by ``group_scoring``."""
     num_tokens, num_experts = choice.shape
     if num_experts % num_groups != 0:
         raise EPInputError("num_expert_groups", f"a divisor of {num_experts}", num_groups)
@@ -78,7 +100,10 @@ def _mask_to_top_groups(
             "num_topk_groups", f">= {-(-top_k // per_group)} to hold top_k={top_k}", num_topk_groups
         )
     grouped = choice.view(num_tokens, num_groups, per_group)
-    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
+    if group_scoring is GroupScoring.MAX:
+        group_scores = grouped.max(dim=-1).values  # [T, G]
+    else:
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
     kept = group_scores.topk(num_topk_groups, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
     expert_mask = (

@@ -23,6 +23,7 @@ from ep_runtime.integrations.transformers import (
     patch_moe_blocks,
     random_config,
 )
+from ep_runtime.routing import GroupScoring
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from tests.hf_oracle import hf_greedy, moe_shape, needs_transformers, routed_expert_numel
 
@@ -55,6 +56,7 @@ def route_as_settings(logits: torch.Tensor, block: EPMoEBlock) -> tuple[torch.Te
         else None,
         num_expert_groups=settings.num_expert_groups,
         num_topk_groups=settings.num_topk_groups,
+        group_scoring=settings.group_scoring,
         routed_scaling_factor=settings.routed_scaling_factor,
     )
     if settings.weights_in_logits_dtype:
@@ -204,12 +206,42 @@ def test_a_model_without_moe_blocks_is_refused() -> None:
         patch_moe_blocks(model)
 
 
-def test_deepseek_v2_group_limited_routing_is_refused() -> None:
-    model = build_random_model(
-        random_config("deepseek-v2", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+def test_deepseek_v2_group_limited_routing_matches_the_hf_block() -> None:
+    """DeepSeek-V2's "group_limited_greedy" (groups ranked by their best score): the block and
+    ``route()`` with the settings read from the router both match transformers."""
+    config = random_config(
+        "deepseek-v2", topk_method="group_limited_greedy", n_group=4, topk_group=2
     )
-    with pytest.raises(UnsupportedMoEBlockError, match=r"topk_method: expected 'greedy'"):
-        patch_moe_blocks(model)
+    reference = build_random_model(config, seed=3)
+    model = copy.deepcopy(reference)
+    report = patch_moe_blocks(model)
+    _, hidden, intermediate = moe_shape(reference)
+    x = torch.randn(2, 7, hidden, generator=torch.Generator().manual_seed(1))
+    for (_, hf_block), patched in zip(find_moe_blocks(reference), report.blocks, strict=True):
+        assert patched.module.router.group_scoring is GroupScoring.MAX
+        with torch.no_grad():
+            expected, got = hf_block(x), patched.module(x)
+            logits, hf_weights, hf_ids = hf_block.gate(x.reshape(-1, hidden))
+        comparison = compare_per_token(
+            got.reshape(-1, hidden),
+            expected.reshape(-1, hidden),
+            tolerance_for(x.dtype, intermediate),
+        )
+        assert comparison.passed, comparison.describe()
+        ids, weights = by_expert_id(*route_as_settings(logits, patched.module))
+        hf_ids, hf_weights = by_expert_id(hf_ids, hf_weights)
+        assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+        top2_ids, _ = by_expert_id(
+            *route(
+                logits,
+                patched.module.router.top_k,
+                scoring="softmax",
+                renormalize=False,
+                num_expert_groups=4,
+                num_topk_groups=2,
+            )
+        )
+        assert not torch.equal(top2_ids, hf_ids), "the top-2-sum ranking chose the same: no test"
 
 
 def test_experts_not_silu_are_refused() -> None:

@@ -79,9 +79,26 @@ def test_bad_router_arguments() -> None:
         route(torch.zeros(2, 6), 2, num_expert_groups=4, num_topk_groups=1)
 
 
+def test_groups_ranked_by_their_best_score() -> None:
+    """DeepSeek-V2's ranking: 4 groups of 2, the best 2 groups by their single best softmax
+    score ({0, 1} and {4, 5}; by their top-2 sum {2, 3} would beat {4, 5}), top-2 experts among
+    them, weights the plain probabilities."""
+    logits = torch.tensor([[3.0, -5.0, 2.6, 2.5, 2.7, -5.0, 0.0, 0.0]])
+    ids, weights = route(
+        logits, 2, renormalize=False, num_expert_groups=4, num_topk_groups=2, group_scoring="max"
+    )
+    p = logits.softmax(-1)[0]
+    assert sorted(ids[0].tolist()) == [0, 4]
+    torch.testing.assert_close(weights[0].sort().values, torch.stack([p[4], p[0]]).sort().values)
+    top2_sum, _ = route(logits, 2, renormalize=False, num_expert_groups=4, num_topk_groups=2)
+    assert sorted(top2_sum[0].tolist()) == [0, 2]  # groups {0,1} and {2,3} by the sum
+
+
 def test_router_options_are_validated() -> None:
     with pytest.raises(EPInputError, match=r"^scoring: expected one of"):
         route(torch.zeros(2, 4), 1, scoring="softmx")
+    with pytest.raises(EPInputError, match=r"^group_scoring: expected one of"):
+        route(torch.zeros(2, 4), 1, group_scoring="sum")
     with pytest.raises(EPInputError, match=r"^correction_bias: expected shape \[4\]"):
         route(torch.zeros(2, 4), 1, scoring="sigmoid", correction_bias=torch.zeros(1))
     with pytest.raises(EPInputError, match=r"^logical_to_physical: expected shape \[4\]"):

@@ -173,7 +173,9 @@ def describe_router(router: dict) -> str:
     """``route()``'s settings in words: 'softmax, top-3, renormalised, ...'."""
     parts = [router["scoring"], f"top-{router['top_k']}"]
     if router.get("num_expert_groups"):
-        parts.append(f"top-{router['num_topk_groups']} of {router['num_expert_groups']} groups")
+        ranked = " (by their best score)" if router.get("group_scoring") == "max" else ""
+        groups = f"top-{router['num_topk_groups']} of {router['num_expert_groups']} groups"
+        parts.append(groups + ranked)
     if router.get("uses_correction_bias"):
         parts.append("correction bias")
     parts.append("renormalised" if router["renormalize"] else "not renormalised")

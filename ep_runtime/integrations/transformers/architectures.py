@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ep_runtime.routing import Scoring
+from ep_runtime.routing import GroupScoring, Scoring
 from ep_runtime.types import EPInputError
 
 
@@ -27,6 +27,7 @@ class RouterSettings:
     renormalize: bool
     num_expert_groups: int | None = None
     num_topk_groups: int | None = None
+    group_scoring: GroupScoring = GroupScoring.TOP2_SUM
     routed_scaling_factor: float = 1.0
     uses_correction_bias: bool = False  # DeepSeek-V3: gate.e_score_correction_bias
     weights_in_logits_dtype: bool = False  # Qwen3 rounds its top-k weights to the logits' dtype
@@ -61,18 +62,21 @@ def _deepseek_v3_router(gate: nn.Module) -> RouterSettings:
 
 
 def _deepseek_v2_router(gate: nn.Module) -> RouterSettings:
-    # softmax top-k, never renormalised, × scaling factor ("greedy", DeepSeek-V2-Lite)
-    if gate.topk_method != "greedy":
+    # softmax top-k, never renormalised, × scaling factor: "greedy" (DeepSeek-V2-Lite) or
+    # "group_limited_greedy" (DeepSeek-V2: the top groups by their best score first)
+    method = gate.topk_method
+    if method not in ("greedy", "group_limited_greedy"):
         raise UnsupportedMoEBlockError(
-            "DeepseekV2Moe router topk_method",
-            "'greedy' (route() ranks expert groups by their top-2 score sum, DeepSeek-V2's "
-            "'group_limited_greedy' by their maximum)",
-            repr(gate.topk_method),
+            "DeepseekV2Moe router topk_method", "'greedy' or 'group_limited_greedy'", repr(method)
         )
+    grouped = method == "group_limited_greedy"
     return RouterSettings(
         top_k=int(gate.top_k),
         scoring=Scoring.SOFTMAX,
         renormalize=False,
+        num_expert_groups=int(gate.num_group) if grouped else None,
+        num_topk_groups=int(gate.topk_group) if grouped else None,
+        group_scoring=GroupScoring.MAX if grouped else GroupScoring.TOP2_SUM,
         routed_scaling_factor=float(gate.routed_scaling_factor),
     )
 
