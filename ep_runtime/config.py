@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ep_runtime.quantization import Quantization, check_block_shapes, parse_quantization
-from ep_runtime.types import Activation, EPInputError
+from ep_runtime.types import Activation, EPInputError, enum_argument
 
 DEFAULT_MAX_TOKENS_PER_RANK = 256  # capacity mode's static cap when none is given
 # exact mode without a bound: the tokens per rank a forward is taken to carry by experts
@@ -47,12 +47,7 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             raise EPInputError("top_k", f"<= num_experts ({self.num_experts})", self.top_k)
         check_token_bound(self.max_tokens_per_rank)
-        try:
-            activation = Activation(self.activation)
-        except ValueError:
-            raise EPInputError(
-                "activation", f"one of {[a.value for a in Activation]}", self.activation
-            ) from None
+        activation = enum_argument(Activation, "activation", self.activation)
         object.__setattr__(self, "activation", activation)
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise EPInputError("dtype", "torch.bfloat16 or torch.float32 (or None)", self.dtype)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ep_runtime.types import EPInputError
+
 # (x [T, H], ids [T, K], weights [T, K], out [T, H]) -> None: the layer's one-round forward
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -45,8 +47,6 @@ class GraphPolicy:
     max_graphs: int = 8  # token counts captured per layer; forwards of other counts run eager
 
     def __post_init__(self) -> None:
-        from ep_runtime.types import EPInputError
-
         for name in ("max_tokens", "max_graphs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

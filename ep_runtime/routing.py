@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from ep_runtime.types import EPInputError
+from ep_runtime.types import EPInputError, enum_argument
 
 
 class Scoring(str, enum.Enum):
@@ -47,16 +47,8 @@ def route(
     num_experts = router_logits.size(1)
     if not 1 <= top_k <= num_experts:
         raise EPInputError("top_k", f"in [1, {num_experts}]", top_k)
-    try:
-        scoring = Scoring(scoring)
-    except ValueError:
-        raise EPInputError("scoring", f"one of {[s.value for s in Scoring]}", scoring) from None
-    try:
-        group_scoring = GroupScoring(group_scoring)
-    except ValueError:
-        raise EPInputError(
-            "group_scoring", f"one of {[g.value for g in GroupScoring]}", group_scoring
-        ) from None
+    scoring = enum_argument(Scoring, "scoring", scoring)
+    group_scoring = enum_argument(GroupScoring, "group_scoring", group_scoring)
     if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
         raise EPInputError("correction_bias", f"shape [{num_experts}]", list(correction_bias.shape))
     if logical_to_physical is not None and tuple(logical_to_physical.shape) != (num_experts,):

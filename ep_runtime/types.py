@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,6 +60,17 @@ class Dispatched:
     def top_k(self) -> int:
         """The K the expert kernel must be told: always the tensor's, never the config's."""
         return self.topk_ids.size(1)
+
+
+EnumT = TypeVar("EnumT", bound=enum.Enum)
+
+
+def enum_argument(kind: type[EnumT], argument: str, value: object) -> EnumT:
+    """``kind(value)``, or an ``EPInputError`` naming ``argument`` and ``kind``'s values."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise EPInputError(argument, f"one of {[m.value for m in kind]}", value) from None
 
 
 class EPInputError(ValueError):

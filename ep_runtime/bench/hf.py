@@ -49,8 +49,8 @@ from ep_runtime.bench.hf_timing import (
     Contender,
     check_room_for_rows,
     interleaved_medians,
-    sync,
 )
+from ep_runtime.bench.timing import sync
 from ep_runtime.integrations.transformers import (
     find_moe_blocks,
     patch_moe_blocks,

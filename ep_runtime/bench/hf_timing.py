@@ -11,13 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ep_runtime.bench.timing import sync
 from ep_runtime.rounds import free_device_bytes
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 Timed = tuple[Callable[[], object], Callable[[], object]]  # (untimed set-up, the timed call)
 

@@ -33,6 +33,7 @@ import time
 import torch
 
 from ep_runtime.bench.layer import POINTS, Point, add_forward_graphs_flag, build_layer, inputs
+from ep_runtime.bench.timing import sync
 from ep_runtime.kernels import triton_common
 
 # small shapes for finding Python overhead on any machine (world size 1, grouped_mm)
@@ -43,11 +44,6 @@ TINY_POINTS = {
         Point("tiny-prefill", 8, 64, 64, 32, 2, "exact", "expanded"),
     )
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_forwards(

@@ -21,6 +21,12 @@ from ep_runtime.comm import Comm
 R = TypeVar("R")
 
 
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PhaseClock:
     """Times one phase on this rank, starting together with every other rank.
 
@@ -32,8 +38,7 @@ class PhaseClock:
         self.comm = comm
 
     def sync(self) -> None:
-        if self.comm.device.type == "cuda":
-            torch.cuda.synchronize(self.comm.device)
+        sync(self.comm.device)
 
     def time(self, phase: Callable[[], R]) -> tuple[R, float]:
         """``(phase(), seconds)`` measured from a common start."""
