@@ -75,7 +75,8 @@ def transformers_fp8_unavailable(model: nn.Module) -> str | None:
                 torch.zeros(1, 1, dtype=torch.long, device=device),
                 torch.ones(1, 1, device=device),
             )
-    except (ImportError, NotImplementedError, RuntimeError) as error:
+    except (ImportError, NotImplementedError, RuntimeError, ValueError) as error:
+        # (ValueError: transformers 5.25's `kernels` hub kernel, not fetchable offline)
         why = f"transformers' FP8 experts forward does not run on {device.type}: {error}"
         return why.splitlines()[0]
     return None

@@ -14,7 +14,9 @@ from torch import nn
 from ep_runtime.quantization import FP8_DTYPE, dequantize_weight_blocks, fake_quantize_activations
 from ep_runtime.reference import reference_moe
 
-KERNEL_ERRORS = (ImportError, NotImplementedError, RuntimeError)  # what a missing kernel raises
+# what a missing kernel raises; with transformers 5.25 and its `kernels` 0.19 dependency, a hub
+# kernel that cannot be fetched (offline) fails its publisher check with a ValueError
+KERNEL_ERRORS = (ImportError, NotImplementedError, RuntimeError, ValueError)
 
 
 def fp8_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
