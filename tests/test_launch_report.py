@@ -410,10 +410,12 @@ def test_plot_names_the_run_and_explains_its_colours(tmp_path):
         plt.close(figure)
 
 
-def test_a_decode_shaped_cpu_run_takes_the_weights_memory_floor_as_experts_baseline():
-    """Item 11, measured: 2 tokens per rank over 8 experts of 12.6 MB (fp32) read the weights of
-    up to 4 experts, while the same-FLOPs dense GEMMs read one expert's worth: the memory floor
-    is the larger, so it is the experts' baseline (and layer_floor's part)."""
+def test_a_measured_cpu_run_takes_the_larger_measured_floor_as_experts_baseline():
+    """Item 11, on a real run: both floors are measured, and the experts' baseline (and
+    layer_floor's part, and the ratio column) is whichever of them measured the larger. Which one
+    that is depends on this machine's load (2 tokens per rank over 8 experts of 12.6 MB in fp32
+    usually make the memory floor the larger), so the test checks the choice against the run's
+    own medians, not a fixed winner; the choice from given timings is the test above."""
     import torch
     import torch.distributed as dist
 
@@ -441,8 +443,9 @@ def test_a_decode_shaped_cpu_run_takes_the_weights_memory_floor_as_experts_basel
         torch.set_num_threads(threads)
     report = build_report(spec.to_json(), "spawn", [summary], 1.0)
     baselines = report["baselines"]
-    assert baselines["weights_read"]["median_ms"] > baselines["dense_gemm"]["median_ms"]
-    assert report["experts_baseline"] == "weights_read"
-    parts = baselines["layer_floor"]["parts"]
-    assert parts == ("a2a_dispatch", "weights_read", "a2a_combine")
-    assert "experts_vs_weights_read" in report["cases"][0]["vs_baseline"]
+    medians = {name: baselines[name]["median_ms"] for name in ("weights_read", "dense_gemm")}
+    assert all(ms > 0 for ms in medians.values())
+    larger = max(medians, key=medians.__getitem__)
+    assert report["experts_baseline"] == larger
+    assert baselines["layer_floor"]["parts"] == ("a2a_dispatch", larger, "a2a_combine")
+    assert f"experts_vs_{larger}" in report["cases"][0]["vs_baseline"]
