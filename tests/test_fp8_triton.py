@@ -38,6 +38,10 @@ E, K, H, I = 8, 3, 256, 128  # noqa: E741 (tests/test_fp8.py's shapes)
 PLAIN = TileConfig(16, 128, 128, num_stages=1)
 SWAPPED = TileConfig(16, 128, 128, num_stages=1, swap=True)
 NARROW = TileConfig(16, 64, 128, num_stages=1, swap=True)  # GEMM2 only: 2 tiles per block
+# several column tiles per program: GEMM1's one tile in 2s (one past the columns), GEMM2's
+# 2 in 2s, its 4 narrow ones in 3s (the second group partial)
+TWO_COLUMN_TILES = TileConfig(16, 128, 128, num_stages=1, tiles_n=2)
+THREE_NARROW_TILES = TileConfig(16, 64, 128, num_stages=1, swap=True, tiles_n=3)
 
 
 def quantize_on_device(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +147,9 @@ def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> 
     assert (got_q != want_q).float().mean() < 0.05
 
 
-@pytest.mark.parametrize("config", [PLAIN, SWAPPED], ids=["plain", "swapped"])
+@pytest.mark.parametrize(
+    "config", [PLAIN, SWAPPED, TWO_COLUMN_TILES], ids=["plain", "swapped", "two-column-tiles"]
+)
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
 def test_gemm1_fp8_matches_its_spec(gated, layout, config):
@@ -166,7 +172,11 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
     assert torch.equal(*bits) and torch.equal(again_s[:valid], out_s[:valid])  # deterministic
 
 
-@pytest.mark.parametrize("config", [PLAIN, SWAPPED, NARROW], ids=["plain", "swapped", "narrow"])
+@pytest.mark.parametrize(
+    "config",
+    [PLAIN, SWAPPED, NARROW, TWO_COLUMN_TILES, THREE_NARROW_TILES],
+    ids=["plain", "swapped", "narrow", "two-column-tiles", "three-narrow-tiles"],
+)
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_gemm2_fp8_matches_its_spec(layout, config):
     x_q, x_s, q13, s13, q2, s2, offsets, pairs, weights, top_k, rows = gemm_problem(

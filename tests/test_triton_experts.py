@@ -35,6 +35,10 @@ BF16 = torch.bfloat16
 # several tiles in every dimension, partial last tiles (H = 40, I = 24), plain and swapped
 SMALL = TileConfig(16, 16, 16)
 SWAPPED = TileConfig(16, 16, 32, swap=True)
+# several column tiles per program, the last group of a row partial (GEMM2's 3 tiles in 2s,
+# GEMM1's 2 in 3s: one tile past the columns)
+TWO_COLUMN_TILES = TileConfig(16, 16, 16, tiles_n=2)
+THREE_COLUMN_TILES = TileConfig(16, 16, 32, swap=True, tiles_n=3)
 
 
 def routing(rows: int, top_k: int, num_experts: int, seed: int, skip_expert: int | None = 2):
@@ -102,6 +106,9 @@ def test_sort_pairs_and_sum_slots_match_spec_bitwise(top_k, rows, dtype) -> None
         (False, "standard", SWAPPED, BF16),
         (True, "expanded", SWAPPED, BF16),
         (False, "expanded", SMALL, torch.float32),
+        (True, "standard", TWO_COLUMN_TILES, BF16),
+        (True, "expanded", THREE_COLUMN_TILES, BF16),
+        (False, "expanded", TWO_COLUMN_TILES, BF16),
     ],
 )
 def test_gemms_match_spec(gated: bool, layout: str, config: TileConfig, dtype) -> None:

@@ -65,6 +65,10 @@ def candidates(bucket: int) -> list[TileConfig]:
         TileConfig(16, 128, 64, 1, 4, 5),
         TileConfig(16, 64, 128, 1, 4, 4, swap=True),
         TileConfig(16, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 128, 64, 1, 4, 5, tiles_n=2),
+        TileConfig(16, 64, 128, 1, 4, 4, tiles_n=2),
+        TileConfig(16, 128, 128, 1, 4, 4, swap=True, tiles_n=2),
+        TileConfig(16, 64, 128, 1, 4, 4, swap=True, tiles_n=4),
     ]
     middle = [
         TileConfig(32, 64, 128, 1, 4, 4),
@@ -73,6 +77,8 @@ def candidates(bucket: int) -> list[TileConfig]:
         TileConfig(64, 64, 128, 4, 4, 4),
         TileConfig(64, 128, 64, 4, 4, 4),
         TileConfig(32, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 4, tiles_n=2),
+        TileConfig(64, 128, 64, 4, 4, 4, tiles_n=2),
     ]
     prefill = [
         TileConfig(64, 128, 64, 8, 4, 4),
@@ -110,6 +116,11 @@ def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
         TileConfig(16, 128, 128, 1, 8, 4, swap=True),
         TileConfig(16, 128, 128, 1, 2, 4, swap=True),
         TileConfig(32, 64, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 3, swap=True, tiles_n=2),
+        TileConfig(16, 128, 128, 1, 4, 4, swap=True, tiles_n=3),
+        TileConfig(16, 128, 128, 1, 4, 4, tiles_n=2),
+        TileConfig(16, 64, 128, 1, 4, 4, swap=True, tiles_n=2),
+        TileConfig(16, 64, 128, 1, 4, 5, swap=True, tiles_n=4),
     ]
     middle = [
         TileConfig(32, 128, 128, 1, 4, 4, swap=True),
@@ -118,6 +129,9 @@ def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
         TileConfig(64, 128, 128, 8, 4, 4),
         TileConfig(64, 64, 128, 8, 4, 4),
         TileConfig(32, 64, 128, 1, 4, 4, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 4, swap=True, tiles_n=2),
+        TileConfig(32, 128, 128, 1, 4, 4, tiles_n=2),
+        TileConfig(64, 128, 128, 8, 4, 4, tiles_n=2),
     ]
     prefill = [
         TileConfig(64, 128, 128, 8, 4, 3),

@@ -26,10 +26,9 @@ import itertools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, kernel, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, kernel, pow2
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 # --------------------------------------------------------------------------- torch spec
@@ -163,7 +162,7 @@ def _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED: t
 
 
 @triton.jit
-def _zero_padding_tile(
+def zero_padding_tiles(
     out,
     stride_om,
     offsets,
@@ -171,17 +170,90 @@ def _zero_padding_tile(
     tile_m,
     first_tile,
     num_rows,
-    n,
-    ok_n,
+    column_group,
+    width,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    TILES_N: tl.constexpr,
 ):
-    """A spare tile (past the real ones) zeroes EXPANDED padding tile ``tile_m - first_tile``:
-    rows from ``offsets[L]`` on, below ``num_rows``."""
+    """A spare program (past the real ones) zeroes EXPANDED padding tile ``tile_m - first_tile``
+    in its column tiles: rows from ``offsets[L]`` on, below ``num_rows``."""
     p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
-    o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
+    o_rows = out + p.to(tl.int64)[:, None] * stride_om
     zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
-    tl.store(o_ptrs, zero, mask=(p < num_rows)[:, None] & ok_n[None, :])
+    for j in tl.static_range(TILES_N):
+        n = (column_group * TILES_N + j) * BN + tl.arange(0, BN)
+        tl.store(o_rows + n[None, :], zero, mask=(p < num_rows)[:, None] & (n < width)[None, :])
+
+
+@triton.jit
+def _column_step(i, steps, column_group, TILES_N: tl.constexpr):
+    """Step ``i`` of a program's one loop over its ``TILES_N`` column tiles × ``steps`` k-steps
+    → (column tile, k-step, whether a tile before the program's last ends here). One loop, not
+    two nested, so the next tile's weight loads are in flight while a tile's epilogue runs, and
+    the program's set-up (its expert, rows and their sources) is paid once for all its tiles.
+    With one tile it is the plain k loop; the last tile's epilogue follows the loop."""
+    if TILES_N == 1:
+        tile_n = column_group
+        k_step = i
+        flush = False
+    else:
+        j = i // steps
+        k_step = i - j * steps
+        tile_n = column_group * TILES_N + j
+        flush = (k_step == steps - 1) & (j < TILES_N - 1)
+    return tile_n, k_step, flush
+
+
+@triton.jit
+def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr):
+    """GEMM2's epilogue of one tile: router weight, one rounding, the rows ``o_rows`` point at."""
+    result = untransposed(acc, SWAP) * weight[:, None]
+    mask = ok_m[:, None] & ok_n[None, :]
+    tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_up_tile(
+    out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED: tl.constexpr, SWAP: tl.constexpr
+):
+    """GEMM1's epilogue of one tile: the activation in fp32, one rounding."""
+    result = activated(untransposed(acc_g, SWAP), untransposed(acc_u, SWAP), GATED)
+    mask = ok_m[:, None] & ok_n[None, :]
+    tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def activated(acc_g, acc_u, GATED: tl.constexpr):
+    """fp32 ``silu(gate)·up`` (GATED) or ``relu(h)²`` of the GEMM1 accumulators."""
+    if GATED:
+        result = acc_g / (1.0 + exp_fp32(-acc_g)) * acc_u
+    else:
+        relu = tl.where(acc_g < 0.0, 0.0, acc_g)
+        result = relu * relu
+    return result
+
+
+@triton.jit
+def tile_step(acc, a, b, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += a · b`` for one k-step (SWAP: the transposed tile ``bᵀ·aᵀ``); under the
+    interpreter the operands go to fp32 first (its bf16 ``dot`` is wrong; bf16 → fp32 is exact)."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if SWAP:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def untransposed(acc, SWAP: tl.constexpr):
+    """The ``[BM, BN]`` tile of an accumulator kept as ``[BN, BM]`` when SWAP."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
 
 
 @kernel(do_not_specialize=["tiles_m"])  # it varies with the rows: one compile serves all
@@ -210,70 +282,51 @@ def _up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
 ):
-    """Program (row tile, column tile): A rows gathered through ``pairs``, fp32 epilogue."""
-    num_n = (width + BN - 1) // BN
-    _, tile_n, expert, _, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
+    """Program (row tile, TILES_N column tiles): A rows gathered through ``pairs``, fp32
+    epilogue per column tile."""
+    num_groups_n = ((width + BN - 1) // BN + TILES_N - 1) // TILES_N
+    _, column_group, expert, _, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, num_groups_n, BM, GROUP_M, LP
     )
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
         source = _row_sources(pairs, p, ok_m, top_k, SORTED)
-        n = tile_n * BN + tl.arange(0, BN)
-        ok_n = n < width
         kk = tl.arange(0, BK)
-        a_ptrs = x + source[:, None] * stride_xm + kk[None, :] * stride_xk
-        g_ptrs = (
-            w + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
-        )
-        u_ptrs = g_ptrs + width * stride_wn
+        a_rows = x + source[:, None] * stride_xm + kk[None, :] * stride_xk
+        w_expert = w + expert.to(tl.int64) * stride_we + kk[:, None] * stride_wk
+        o_rows = out + p.to(tl.int64)[:, None] * stride_om
+        steps = (depth + BK - 1) // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        for k0 in range(0, (depth + BK - 1) // BK):
+        for i in range(0, TILES_N * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
             if EVEN_K:
                 a_ok = ok_m[:, None]
                 w_ok = ok_n[None, :]
             else:
-                a_ok = ok_m[:, None] & (kk[None, :] < depth - k0 * BK)
-                w_ok = ok_n[None, :] & (kk[:, None] < depth - k0 * BK)
-            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            g = tl.load(g_ptrs, mask=w_ok, other=0.0)
-            if INTERPRET:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-            if SWAP:
-                acc_g = tl.dot(tl.trans(g), tl.trans(a), acc_g, input_precision=PRECISION)
-            else:
-                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+                a_ok = ok_m[:, None] & (kk[None, :] < depth - k_step * BK)
+                w_ok = ok_n[None, :] & (kk[:, None] < depth - k_step * BK)
+            a = tl.load(a_rows + k_step * BK * stride_xk, mask=a_ok, other=0.0)
+            g_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
+            acc_g = tile_step(acc_g, a, tl.load(g_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)
             if GATED:
-                u = tl.load(u_ptrs, mask=w_ok, other=0.0)
-                if INTERPRET:
-                    u = u.to(tl.float32)
-                if SWAP:
-                    acc_u = tl.dot(tl.trans(u), tl.trans(a), acc_u, input_precision=PRECISION)
-                else:
-                    acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BK * stride_xk
-            g_ptrs += BK * stride_wk
-            u_ptrs += BK * stride_wk
-        if SWAP:
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
-        if GATED:
-            if INTERPRET:  # noqa: SIM108
-                denominator = 1.0 + tl.exp(-acc_g)
-            else:
-                denominator = 1.0 + libdevice.exp(-acc_g)  # full precision, as torch's
-            result = acc_g / denominator * acc_u  # silu(gate)·up
-        else:
-            relu = tl.where(acc_g < 0.0, 0.0, acc_g)
-            result = relu * relu
-        o_ptrs = out + p.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+                u = tl.load(g_ptrs + width * stride_wn, mask=w_ok, other=0.0)
+                acc_u = tile_step(acc_u, a, u, SWAP, PRECISION)
+            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
+                if flush:
+                    _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED, SWAP)
+                    acc_g = tl.zeros(shape, dtype=tl.float32)
+                    acc_u = tl.zeros(shape, dtype=tl.float32)
+        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+        _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, n < width, GATED, SWAP)
 
 
 @kernel(do_not_specialize=["tiles_m", "num_rows"])
@@ -305,56 +358,52 @@ def _down_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
 ):
-    """Program (row tile, column tile): router weight and one rounding in the epilogue. A tile
-    past the real ones zeroes padding tile ``tile_m - total`` (ZERO_PAD): the grid bound leaves at
-    least as many spare tiles as padding tiles."""
-    num_n = (width + BN - 1) // BN
-    tile_m, tile_n, expert, first_tile, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
+    """Program (row tile, TILES_N column tiles): router weight and one rounding in each tile's
+    epilogue. A program past the real ones zeroes padding tile ``tile_m - total`` (ZERO_PAD):
+    the grid bound leaves at least as many spare tiles as padding tiles."""
+    num_groups_n = ((width + BN - 1) // BN + TILES_N - 1) // TILES_N
+    tile_m, column_group, expert, first_tile, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, num_groups_n, BM, GROUP_M, LP
     )
-    n = tile_n * BN + tl.arange(0, BN)
-    ok_n = n < width
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
         dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
+        o_rows = out + dest[:, None] * stride_om
         kk = tl.arange(0, BK)
-        a_ptrs = act + p.to(tl.int64)[:, None] * stride_am + kk[None, :]
-        b_ptrs = (
-            w + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk
-        )
+        a_rows = act + p.to(tl.int64)[:, None] * stride_am + kk[None, :]
+        w_expert = w + expert.to(tl.int64) * stride_we + kk[:, None] * stride_wk
+        steps = (depth + BK - 1) // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        for k0 in range(0, (depth + BK - 1) // BK):
+        for i in range(0, TILES_N * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
             if EVEN_K:
                 a_ok = ok_m[:, None]
                 w_ok = ok_n[None, :]
             else:
-                a_ok = ok_m[:, None] & (kk[None, :] < depth - k0 * BK)
-                w_ok = ok_n[None, :] & (kk[:, None] < depth - k0 * BK)
-            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            b = tl.load(b_ptrs, mask=w_ok, other=0.0)
-            if INTERPRET:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if SWAP:
-                acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BK
-            b_ptrs += BK * stride_wk
-        if SWAP:
-            acc = tl.trans(acc)
-        result = acc * weight[:, None]
-        o_ptrs = out + dest[:, None] * stride_om + n[None, :]
-        tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+                a_ok = ok_m[:, None] & (kk[None, :] < depth - k_step * BK)
+                w_ok = ok_n[None, :] & (kk[:, None] < depth - k_step * BK)
+            a = tl.load(a_rows + k_step * BK, mask=a_ok, other=0.0)
+            b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
+            acc = tile_step(acc, a, tl.load(b_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)
+            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
+                if flush:
+                    store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
+                    acc = tl.zeros(shape, dtype=tl.float32)
+        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+        store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
     elif ZERO_PAD:
-        _zero_padding_tile(
-            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, n, ok_n, BM, BN
-        )
+        zero_padding_tiles(
+            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,
+            width, BM, BN, TILES_N,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launchers
@@ -375,7 +424,12 @@ def down_launch(
             out.zero_()
         return None
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    return (tiles_m * cdiv(width, config.block_n),), tiles_m
+    return (tiles_m * column_groups(width, config),), tiles_m
+
+
+def column_groups(width: int, config: TileConfig) -> int:
+    """The grid's programs per row tile: ``config.tiles_n`` column tiles each."""
+    return cdiv(cdiv(width, config.block_n), config.tiles_n)
 
 
 def row_tiles(num_grouped: int, num_local: int, block_m: int) -> int:
@@ -393,6 +447,7 @@ def _launch_options(config: TileConfig, num_local: int, depth: int, dtype: torch
         "BM": config.block_m,
         "BN": config.block_n,
         "BK": config.block_k,
+        "TILES_N": config.tiles_n,
         "GROUP_M": config.group_m,
         "LP": pow2(num_local),
         "num_warps": config.num_warps,
@@ -416,7 +471,7 @@ def expert_up(
     if num_grouped == 0 or width == 0:
         return out
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * cdiv(width, config.block_n),)
+    grid = (tiles_m * column_groups(width, config),)
     _up_kernel[grid](
         x,
         x.stride(0),

@@ -23,18 +23,22 @@ import triton.language as tl
 
 from ep_runtime.kernels.expert_gemm import (
     _activate,
+    _column_step,
     _expert_tile,
     _groups,
     _row_sources,
     _row_targets,
-    _zero_padding_tile,
+    activated,
+    column_groups,
     down_launch,
     row_tiles,
+    store_down_tile,
+    untransposed,
+    zero_padding_tiles,
 )
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, exp_fp32, kernel, pow2
-from ep_runtime.kernels.triton_common import rounded as _rounded
+from ep_runtime.kernels.triton_common import INTERPRET, kernel, pow2
 from ep_runtime.quantization import (
     BLOCK,
     dequantize_activations,
@@ -117,6 +121,30 @@ def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _store_quantized_tile(
+    out,
+    outs,
+    o_rows,
+    s_rows,
+    acc_g,
+    acc_u,
+    tile_n,
+    ok_m,
+    width,
+    BN: tl.constexpr,
+    GATED: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """GEMM1's epilogue of column tile ``tile_n`` (one 128-column group): the activation in
+    fp32, quantized per row; codes at ``o_rows``, scales at ``s_rows``."""
+    result = activated(untransposed(acc_g, SWAP), untransposed(acc_u, SWAP), GATED)
+    codes, scale = quantize_groups(result, 1)  # [BM, BN] e4m3, [BM]
+    n = tile_n * BN + tl.arange(0, BN)
+    tl.store(o_rows + n[None, :], codes, mask=ok_m[:, None] & (n < width)[None, :])
+    tl.store(s_rows + tile_n, scale, mask=ok_m & (tile_n * BN < width))
+
+
 @kernel(do_not_specialize=["tiles_m"])
 def _up_fp8_kernel(
     x,  # [R, H] e4m3
@@ -146,53 +174,63 @@ def _up_fp8_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,  # 128: one quantization group per tile row
     BK: tl.constexpr,  # 128: one scale per k-step
+    TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
 ):
-    """Program (row tile, column tile): q(x) rows gathered through ``pairs``, block scales per
-    k-step, activation and quantization of the result in the epilogue."""
+    """Program (row tile, TILES_N column tiles): q(x) rows gathered through ``pairs``, block
+    scales per k-step, activation and quantization of each tile's result in its epilogue."""
     num_n = width // BN
-    _, tile_n, expert, _, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
-    )
+    _, column_group, expert, _, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
+        GROUP_M, LP,
+    )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
         source = _row_sources(pairs, p, ok_m, top_k, SORTED)
-        n = tile_n * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
-        a_ptrs = x + source[:, None] * stride_xm + kk[None, :]
-        g_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
-        u_ptrs = g_ptrs + width * stride_wn
-        gs_ptr = ws + e64 * stride_wse + tile_n * stride_wsn  # the tile's weight block row
-        us_ptr = gs_ptr + (width // BK) * stride_wsn
+        a_rows = x + source[:, None] * stride_xm + kk[None, :]
+        a_scales = xs + source * stride_xsm
+        w_expert = w + e64 * stride_we + kk[:, None]
+        s_expert = ws + e64 * stride_wse
+        p64 = p.to(tl.int64)
+        o_rows = out + p64[:, None] * stride_om
+        s_rows = outs + p64 * stride_osm
+        steps = depth // BK
+        up_blocks = (width // BK) * stride_wsn  # the up half's first weight block row
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        for k0 in range(0, depth // BK):
-            a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
-            a_scale = tl.load(xs + source * stride_xsm + k0, mask=ok_m, other=0.0)
-            g = tl.load(g_ptrs)
-            acc_g = _scaled_step(acc_g, a, g, a_scale * tl.load(gs_ptr + k0), SWAP)
+        for i in range(0, TILES_N * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
+            present = tile_n < num_n  # the program's last tiles may lie past the columns
+            a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
+            a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
+            g_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
+            g_scale = s_expert + tile_n * stride_wsn + k_step  # the tile's weight block
+            g = tl.load(g_ptrs, mask=ok_n[None, :], other=0.0)
+            g_step = a_scale * tl.load(g_scale, mask=present, other=0.0)
+            acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
             if GATED:
-                u = tl.load(u_ptrs)
-                acc_u = _scaled_step(acc_u, a, u, a_scale * tl.load(us_ptr + k0), SWAP)
-            a_ptrs += BK
-            g_ptrs += BK
-            u_ptrs += BK
-        if SWAP:
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
-        if GATED:
-            result = acc_g / (1.0 + exp_fp32(-acc_g)) * acc_u  # silu(gate)·up
-        else:
-            relu = tl.where(acc_g < 0.0, 0.0, acc_g)
-            result = relu * relu
-        codes, scale = quantize_groups(result, 1)  # [BM, BN] e4m3, [BM]
-        p64 = p.to(tl.int64)
-        tl.store(out + p64[:, None] * stride_om + n[None, :], codes, mask=ok_m[:, None])
-        tl.store(outs + p64 * stride_osm + tile_n, scale, mask=ok_m)
+                u = tl.load(g_ptrs + width * stride_wn, mask=ok_n[None, :], other=0.0)
+                u_step = a_scale * tl.load(g_scale + up_blocks, mask=present, other=0.0)
+                acc_u = _scaled_step(acc_u, a, u, u_step, SWAP)
+            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
+                if flush:
+                    _store_quantized_tile(
+                        out, outs, o_rows, s_rows, acc_g, acc_u, tile_n, ok_m, width, BN,
+                        GATED, SWAP,
+                    )  # fmt: skip
+                    acc_g = tl.zeros(shape, dtype=tl.float32)
+                    acc_u = tl.zeros(shape, dtype=tl.float32)
+        last = column_group * TILES_N + TILES_N - 1
+        _store_quantized_tile(
+            out, outs, o_rows, s_rows, acc_g, acc_u, last, ok_m, width, BN, GATED, SWAP
+        )
 
 
 @kernel(do_not_specialize=["tiles_m", "num_rows"])
@@ -226,45 +264,53 @@ def _down_fp8_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,  # 128
+    TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
 ):
-    """Program (row tile, column tile): block scales per k-step, router weight and one rounding
-    in the epilogue; spare tiles zero EXPANDED padding (as the bf16 kernel)."""
+    """Program (row tile, TILES_N column tiles): block scales per k-step, router weight and one
+    rounding in each tile's epilogue; spare programs zero EXPANDED padding (as the bf16 kernel)."""
     num_n = (width + BN - 1) // BN
-    tile_m, tile_n, expert, first_tile, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_n, BM, GROUP_M, LP
-    )
-    n = tile_n * BN + tl.arange(0, BN)
-    ok_n = n < width
+    tile_m, column_group, expert, first_tile, row_start, row_end = _expert_tile(
+        tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
+        GROUP_M, LP,
+    )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
         dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
+        o_rows = out + dest[:, None] * stride_om
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
         p64 = p.to(tl.int64)
-        a_ptrs = act + p64[:, None] * stride_am + kk[None, :]
-        b_ptrs = w + e64 * stride_we + n[None, :] * stride_wn + kk[:, None]
-        bs_ptr = ws + e64 * stride_wse + (tile_n * BN // BK) * stride_wsn  # one block: BN | BK
+        a_rows = act + p64[:, None] * stride_am + kk[None, :]
+        a_scales = acts + p64 * stride_asm
+        w_expert = w + e64 * stride_we + kk[:, None]
+        s_expert = ws + e64 * stride_wse
+        steps = depth // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        for k0 in range(0, depth // BK):
-            a = tl.load(a_ptrs, mask=ok_m[:, None], other=0.0)
-            a_scale = tl.load(acts + p64 * stride_asm + k0, mask=ok_m, other=0.0)
-            b = tl.load(b_ptrs, mask=ok_n[None, :], other=0.0)
-            acc = _scaled_step(acc, a, b, a_scale * tl.load(bs_ptr + k0), SWAP)
-            a_ptrs += BK
-            b_ptrs += BK
-        if SWAP:
-            acc = tl.trans(acc)
-        result = acc * weight[:, None]
-        o_ptrs = out + dest[:, None] * stride_om + n[None, :]
-        tl.store(o_ptrs, _rounded(result, out.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])
+        for i in range(0, TILES_N * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
+            a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
+            a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
+            b = tl.load(w_expert + n[None, :] * stride_wn + k_step * BK, mask=ok_n[None, :])
+            b_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step  # one block: BN | BK
+            b_scale = tl.load(b_block, mask=tile_n < num_n, other=0.0)
+            acc = _scaled_step(acc, a, b, a_scale * b_scale, SWAP)
+            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
+                if flush:
+                    store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
+                    acc = tl.zeros(shape, dtype=tl.float32)
+        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+        store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
     elif ZERO_PAD:
-        _zero_padding_tile(
-            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, n, ok_n, BM, BN
-        )
+        zero_padding_tiles(
+            out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,
+            width, BM, BN, TILES_N,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launchers
@@ -278,6 +324,7 @@ def _options(config: TileConfig, num_local: int) -> dict:
         "BM": config.block_m,
         "BN": config.block_n,
         "BK": config.block_k,
+        "TILES_N": config.tiles_n,
         "GROUP_M": config.group_m,
         "LP": pow2(num_local),
         "num_warps": config.num_warps,
@@ -305,7 +352,7 @@ def expert_up_fp8(
     if num_grouped == 0 or width == 0:
         return out_q, out_s
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    grid = (tiles_m * (width // config.block_n),)
+    grid = (tiles_m * column_groups(width, config),)
     _up_fp8_kernel[grid](
         x_q,
         x_q.stride(0),

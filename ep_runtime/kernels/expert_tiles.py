@@ -24,7 +24,9 @@ TABLE_FILE = "expert_tiles.json"
 @dataclass(frozen=True)
 class TileConfig:
     """One launch configuration. ``swap``: compute the transposed tile ``wᵀ·xᵀ`` so the weight
-    rows fill the matrix unit's M side (few rows per expert: decode)."""
+    rows fill the matrix unit's M side (few rows per expert: decode). ``tiles_n``: column tiles
+    one program computes, one after the other in one loop (few rows per expert: a program's
+    set-up and pipeline fill are paid once for more weight bytes)."""
 
     block_m: int
     block_n: int
@@ -33,6 +35,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False
+    tiles_n: int = 1
 
     def to_json(self) -> dict:
         return asdict(self)
