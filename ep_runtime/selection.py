@@ -37,6 +37,19 @@ def _layouts_to_try(experts_cls: type[Experts], layout: TopkLayout | None) -> li
     return [preferred, *(x for x in TopkLayout if x != preferred)]
 
 
+def _dispatcher_refusal(
+    dispatcher_cls: type[Dispatcher],
+    requested: str,
+    setup: DispatchSetup,
+    layout: TopkLayout | None,
+) -> str | None:
+    """Why ``dispatcher_cls`` cannot serve ``setup`` in ``layout``, or (``"auto"``) may not."""
+    reason = dispatcher_cls.refusal(setup, layout)
+    if reason is None and requested == "auto":
+        reason = dispatcher_cls.auto_refusal(setup)
+    return reason
+
+
 def _fit(
     experts_cls: type[Experts],
     dispatcher: str,
@@ -52,7 +65,7 @@ def _fit(
             reasons.append(f"layout {candidate_layout.value}: {reason}")
             continue
         for dispatcher_cls in DISPATCHERS.candidates(dispatcher):
-            why = dispatcher_cls.refusal(dispatch_setup, candidate_layout)
+            why = _dispatcher_refusal(dispatcher_cls, dispatcher, dispatch_setup, candidate_layout)
             if why is None:
                 return dispatcher_cls, candidate_layout
             reasons.append(f"{dispatcher_cls.name} ({candidate_layout.value}): {why}")
@@ -99,7 +112,7 @@ def choose_backends(
     for other in DISPATCHERS.candidates(dispatcher):
         if other is dispatcher_cls:
             continue
-        why = other.refusal(dispatch_setup, chosen_layout)
+        why = _dispatcher_refusal(other, dispatcher, dispatch_setup, chosen_layout)
         if why is not None:
             refused[f"dispatcher:{other.name}"] = why
         else:

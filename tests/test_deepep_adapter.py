@@ -302,10 +302,11 @@ def test_ids_reach_deepep_in_its_topk_idx_t(id_dtype, layout, mode):
 
 
 # ------------------------------------------------------------------ refusals and GIN
-def test_auto_on_cpu_picks_torch_and_says_why_not_deepep():
+def test_auto_on_cpu_alone_moves_nothing_and_says_why_not_deepep():
     layer = EPMoE(_config(), dispatcher="auto", experts="reference", device="cpu")
     try:
-        assert layer.choice.dispatcher == "torch_a2a"
+        assert layer.choice.dispatcher == "local"
+        assert "runs here too" in layer.choice.passed_over["dispatcher:torch_a2a"]
         assert "cuda" in layer.choice.refused["dispatcher:deepep_v2"]
     finally:
         layer.close()

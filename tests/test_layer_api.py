@@ -32,8 +32,9 @@ def test_describe_says_why_the_chosen_backend_won_over_runnable_ones() -> None:
         text = layer.choice.describe()
     finally:
         layer.close()
-    assert text.splitlines()[0] == "dispatcher=torch_a2a experts=grouped_mm layout=expanded"
+    assert text.splitlines()[0] == "dispatcher=local experts=grouped_mm layout=expanded"
     assert "passed over experts:reference: runs here too; grouped_mm ranks higher" in text
+    assert "passed over dispatcher:torch_a2a: runs here too; local ranks higher" in text
     assert "refused experts:flashinfer_trtllm: runs on ['cuda'], not cpu" in text
 
 

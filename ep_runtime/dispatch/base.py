@@ -100,6 +100,11 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
     def refusal(cls, setup: DispatchSetup, layout: TopkLayout | None) -> str | None:
         return cls.capabilities.refusal(setup, layout) or cls.unavailable_reason(setup)
 
+    @classmethod
+    def auto_refusal(cls, setup: DispatchSetup) -> str | None:
+        """Why ``"auto"`` must not pick it although it can run (named explicitly, it runs)."""
+        return None
+
     # ----------------------------------------------------------------- the protocol
     @final
     def dispatch(

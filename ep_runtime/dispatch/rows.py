@@ -25,9 +25,46 @@ import torch
 from ep_runtime.dispatch.base import Dispatcher
 from ep_runtime.dispatch.protocol import Agreed, Phase
 from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
-from ep_runtime.kernels import Route
+from ep_runtime.kernels import KernelOps, Route
 from ep_runtime.kernels.layout import ChunkLayout, RowFormat, header_rows_for
+from ep_runtime.placement import LocalExperts
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
+
+
+def group_for_experts(
+    ops: KernelOps,
+    row_format: RowFormat,
+    payload: torch.Tensor,  # [R, H] hidden states, or (quantized) ``row_format.payload_words``
+    ids: torch.Tensor,  # [R, K] int32 global ids, -1 = unused
+    weights: torch.Tensor,  # [R, K] fp32
+    local: LocalExperts,
+    num_rows: int,  # grouped rows to make room for: at least the served (row, slot) pairs
+    poison: bool,
+) -> tuple[Dispatched, torch.Tensor]:
+    """EXPANDED: one row per served (row, slot) pair, grouped by local expert (quantized rows:
+    e4m3 values and scales regrouped together, bit for bit); and ``[R, K]`` int32 the grouped
+    row of each (row, slot), which the combine's pre-reduce reads."""
+    grouped = ops.group_rows(
+        payload,
+        ids,
+        weights,
+        local_offset=local.offset,
+        num_local=local.count,
+        num_rows=num_rows,
+        poison=poison,
+    )
+    hidden, scale = grouped.hidden, None
+    if row_format.quantized:
+        hidden, scale = row_format.split_payload(grouped.hidden)
+    dispatched = Dispatched(
+        hidden,
+        grouped.ids.unsqueeze(1),
+        grouped.weights.unsqueeze(1),
+        TopkLayout.EXPANDED,
+        grouped.offsets,
+        hidden_states_scale=scale,
+    )
+    return dispatched, grouped.positions
 
 
 @dataclass(frozen=True)
@@ -109,27 +146,16 @@ class RowDispatcher(Dispatcher[RowPacked, RowHandle, torch.Tensor]):
             )
             positions = None
         else:
-            grouped = self.ops.group_rows(
+            dispatched, positions = group_for_experts(
+                self.ops,
+                row_format,
                 row_format.payload_words(recv) if row_format.quantized else hidden,
                 ids,
                 weights,
-                local_offset=self.local.offset,
-                num_local=self.local.count,
-                num_rows=grouped_rows,
-                poison=self.setup.poison,
+                self.local,
+                grouped_rows,
+                self.setup.poison,
             )
-            grouped_hidden, grouped_scale = grouped.hidden, None
-            if row_format.quantized:  # e4m3 values and scales regrouped together, bit for bit
-                grouped_hidden, grouped_scale = row_format.split_payload(grouped.hidden)
-            dispatched = Dispatched(
-                grouped_hidden,
-                grouped.ids.unsqueeze(1),
-                grouped.weights.unsqueeze(1),
-                layout,
-                grouped.offsets,
-                hidden_states_scale=grouped_scale,
-            )
-            positions = grouped.positions
         handle = RowHandle(
             packed.route,
             agreed.sent_rows,

@@ -23,6 +23,7 @@ class DispatcherCapabilities:
     device_types: frozenset[str]
     dtypes: frozenset[torch.dtype]
     min_world_size: int = 1
+    max_world_size: int | None = None  # None: no bound
     # at world size one with device checks nothing is read on the host: CUDA-graph capturable
     graph_capturable: bool = False
 
@@ -38,6 +39,8 @@ class DispatcherCapabilities:
             return f"supports dtypes {sorted(map(str, self.dtypes))}, not {setup.dtype}"
         if setup.comm.world_size < self.min_world_size:
             return f"needs a group of >= {self.min_world_size} ranks, got {setup.comm.world_size}"
+        if self.max_world_size is not None and setup.comm.world_size > self.max_world_size:
+            return f"runs in a group of <= {self.max_world_size} ranks, got {setup.comm.world_size}"
         return None
 
 

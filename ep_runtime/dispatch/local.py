@@ -1,0 +1,155 @@
+"""The world-of-one transport: nothing moves, so nothing is packed or copied.
+
+Alone, every expert is this rank's, so the rows the experts read are the caller's own ``x``
+(with fp8 experts, its ``q(x)``: e4m3 values and per-128-column scales, one launch) and the
+ids are the route's checked ones. STANDARD hands those over as they are; EXPANDED regroups
+them by expert as the packed-row transport does. Combine writes the experts' results (EXPANDED:
+each token's local rows summed in fp32) straight into the output. The forward protocol
+around it is the base class's: the route checks the ids, the header and the failure path run as
+at any world size, so its results are the packed-row transport's bit for bit, with two launches
+fewer (the pack and the local-id map; EXPANDED: the pack and the second reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ep_runtime.dispatch.base import DISPATCHERS, Dispatcher
+from ep_runtime.dispatch.protocol import Agreed
+from ep_runtime.dispatch.rows import group_for_experts
+from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
+from ep_runtime.kernels import Route
+from ep_runtime.kernels.layout import RowFormat
+from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
+
+
+@dataclass(frozen=True)
+class LocalPacked:
+    rows: torch.Tensor  # [T, H] x, or [T, payload bytes] uint8 q(x) and its scales (fp8)
+    ids: torch.Tensor  # [T, K] int32 checked ids, -1 = unused
+    weights: torch.Tensor  # [T, K] fp32
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    num_tokens: int
+    grouped_positions: torch.Tensor | None  # EXPANDED: [T, K] int32 grouped row of each slot
+
+
+@DISPATCHERS.register
+class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
+    """A world of one: the experts read the caller's rows; ``"auto"`` prefers it there (on
+    CPU; on CUDA once it has run there)."""
+
+    name = "local"
+    capabilities = DispatcherCapabilities(
+        layouts=frozenset(TopkLayout),
+        modes=frozenset(DispatchMode),
+        device_types=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        max_world_size=1,
+        graph_capturable=True,
+    )
+    auto_priority = 10
+
+    @classmethod
+    def auto_refusal(cls, setup: DispatchSetup) -> str | None:
+        if setup.device.type == "cuda":
+            return (
+                "not yet run on a GPU (its ops are the packed-row transport's Triton kernels, "
+                "run here only under Triton's interpreter): name dispatcher='local' to use it"
+            )
+        return None
+
+    def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
+        super().__init__(setup, peer_setup)
+        self.local = self.placement.local
+        # fp8: one token's q(x) and scales side by side, as the packed rows carry them
+        self.row_format = RowFormat(
+            setup.hidden_size,
+            setup.dtype,
+            setup.max_top_k,
+            quantized=setup.quantization is not None,
+        )
+        capacity = setup.max_tokens_per_rank if setup.mode is DispatchMode.CAPACITY else 0
+        self._rows = torch.arange(capacity or 0, dtype=torch.int32, device=setup.device)[:, None]
+
+    def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> LocalPacked:
+        """Nothing to pack: fp8 experts get ``q(x)`` (and its scales), others ``x`` itself."""
+        rows = x
+        if self.row_format.quantized:
+            rows = torch.empty(
+                x.size(0), self.row_format.payload_bytes, dtype=torch.uint8, device=x.device
+            )
+            self.ops.quantize_rows(x, self.row_format.hidden(rows), self.row_format.scales(rows))
+        return LocalPacked(rows, route.ids, topk_weights.float())
+
+    def _exchange_dispatch(
+        self, packed: LocalPacked, agreed: Agreed, layout: TopkLayout
+    ) -> tuple[Dispatched, LocalHandle]:
+        num_tokens = packed.rows.size(0)
+        if layout is TopkLayout.EXPANDED:
+            if agreed.sizes is not None:  # exact sizes, read from the header
+                num_grouped = agreed.sizes.served_slots
+            else:
+                num_grouped = num_tokens * min(agreed.top_k, self.local.count)
+            rows = packed.rows
+            payload = self.row_format.payload_words(rows) if self.row_format.quantized else rows
+            dispatched, positions = group_for_experts(
+                self.ops,
+                self.row_format,
+                payload,
+                packed.ids,
+                packed.weights,
+                self.local,
+                num_grouped,
+                self.setup.poison,
+            )
+            return dispatched, LocalHandle(num_tokens, positions)
+        hidden, scale = packed.rows, None
+        if self.row_format.quantized:
+            hidden, scale = self.row_format.hidden(hidden), self.row_format.scales(hidden)
+        dispatched = Dispatched(
+            hidden, packed.ids, packed.weights, layout, None, hidden_states_scale=scale
+        )
+        return dispatched, LocalHandle(num_tokens, None)
+
+    def _exchange_combine(
+        self,
+        expert_output: torch.Tensor | None,
+        dispatched: Dispatched,
+        handle: LocalHandle,
+        status: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No peer to send to: the results stay where they are (zeros after a failure)."""
+        if expert_output is None:
+            rows = dispatched.hidden_states.size(0)
+            expert_output = torch.zeros(
+                rows, self.setup.hidden_size, dtype=self.setup.dtype, device=self.comm.device
+            )
+        return expert_output, None
+
+    def _reduce(
+        self,
+        returned: torch.Tensor,  # STANDARD [T, H]; EXPANDED [N, H] grouped rows
+        handle: LocalHandle,
+        out: torch.Tensor | None,
+        failed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Into ``out`` in one launch: EXPANDED sums each token's grouped rows in fp32;
+        STANDARD's rows are already each token's sum (read through the identity). NaN
+        everywhere if the forward failed."""
+        positions = handle.grouped_positions
+        if positions is None:
+            positions = self._identity(handle.num_tokens)
+        return self.ops.sum_rows(returned, positions, out, failed=failed)
+
+    def _identity(self, rows: int) -> torch.Tensor:
+        """``[rows, 1]`` int32 ``0..rows-1``, kept and grown (never per forward: a CUDA graph
+        of a forward reads it as it was allocated before the capture)."""
+        if self._rows.size(0) < rows:
+            size = max(rows, 2 * self._rows.size(0))
+            self._rows = torch.arange(size, dtype=torch.int32, device=self.comm.device)[:, None]
+        return self._rows[:rows]
