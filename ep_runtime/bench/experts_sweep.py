@@ -28,7 +28,7 @@ import torch
 from ep_runtime import reference_moe
 from ep_runtime.bench.layer import (
     Point,
-    add_forward_graphs_flag,
+    add_layer_flags,
     bare_gemms_ms,
     build_layer,
     copy_rate_bytes_per_ms,
@@ -69,7 +69,12 @@ class Row:
 
 
 def measure_layer(
-    point: Point, experts: str, data, device: torch.device, forward_graphs: bool
+    point: Point,
+    experts: str,
+    data,
+    device: torch.device,
+    forward_graphs: bool,
+    dispatcher: str = "torch_a2a",
 ) -> dict:
     w13, w2, x, ids, weights = data
     # exact mode as the transformers blocks build it: ids checked on the device, so a forward
@@ -80,6 +85,7 @@ def measure_layer(
         experts=experts,
         device_checks=point.mode == "exact",
         forward_graphs=forward_graphs,
+        dispatcher=dispatcher,
     )
     try:
         layer.load_weights(w13, w2)
@@ -123,7 +129,12 @@ def measure_layer(
 
 
 def sweep(
-    models: list[str], tokens: list[int], device: torch.device, rate: float, forward_graphs: bool
+    models: list[str],
+    tokens: list[int],
+    device: torch.device,
+    rate: float,
+    forward_graphs: bool,
+    dispatcher: str = "torch_a2a",
 ) -> list[Row]:
     rows = []
     for model in models:
@@ -139,7 +150,7 @@ def sweep(
             gemms_ms = bare_gemms_ms(*data)
             for experts, layout in BACKENDS:
                 point = Point(**{**asdict(base), "layout": layout})
-                got = measure_layer(point, experts, data, device, forward_graphs)
+                got = measure_layer(point, experts, data, device, forward_graphs, dispatcher)
                 row = Row(
                     model, count, experts, layout, mode, **got, gemms_ms=gemms_ms, floor_ms=floor_ms
                 )
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
-    add_forward_graphs_flag(parser)
+    add_layer_flags(parser)
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -180,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     rate = copy_rate_bytes_per_ms(device)
-    rows = sweep(args.models, args.tokens, device, rate, args.forward_graphs == "on")
+    rows = sweep(
+        args.models, args.tokens, device, rate, args.forward_graphs == "on", args.dispatcher
+    )
     print_table(rows, rate)
     if args.json is not None:
         report = {

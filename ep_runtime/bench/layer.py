@@ -98,8 +98,9 @@ def build_layer(
     quantization: str | None = None,
     device_checks: bool = False,
     forward_graphs: bool = True,
+    dispatcher: str = "torch_a2a",
 ) -> EPMoE:
-    """The layer of one point: ``torch_a2a`` + ``experts``, world size 1; ``forward_graphs``
+    """The layer of one point: ``dispatcher`` + ``experts``, world size 1; ``forward_graphs``
     False: every eager forward runs its kernels (no graph of the layer's own)."""
     config = MoEConfig(
         point.num_experts,
@@ -112,7 +113,7 @@ def build_layer(
     )
     return EPMoE(
         config,
-        dispatcher="torch_a2a",
+        dispatcher=dispatcher,
         experts=experts,
         layout=point.layout,
         mode=point.mode,
@@ -143,10 +144,17 @@ def bare_gemms_ms(w13, w2, x, ids, weights) -> float:
 
 
 def measure(
-    point: Point, rate: float, device: torch.device, experts: str, forward_graphs: bool
+    point: Point,
+    rate: float,
+    device: torch.device,
+    experts: str,
+    forward_graphs: bool,
+    dispatcher: str,
 ) -> tuple[Measured, dict]:
     w13, w2, x, ids, weights = inputs(point, device)
-    layer = build_layer(point, device, experts=experts, forward_graphs=forward_graphs)
+    layer = build_layer(
+        point, device, experts=experts, forward_graphs=forward_graphs, dispatcher=dispatcher
+    )
     try:
         layer.load_weights(w13, w2)
         out = layer(x, ids, weights)
@@ -192,7 +200,15 @@ def measure(
     return result, activity.kernels
 
 
-def add_forward_graphs_flag(parser: argparse.ArgumentParser) -> None:
+def add_layer_flags(parser: argparse.ArgumentParser) -> None:
+    """``--forward-graphs`` and ``--dispatcher``: how the benches build their layers."""
+    parser.add_argument(
+        "--dispatcher",
+        choices=["torch_a2a", "local"],
+        default="torch_a2a",
+        help="the transport at world size 1: torch_a2a (packed rows, as every earlier figure) "
+        "or local (nothing packed or moved)",
+    )
     parser.add_argument(
         "--forward-graphs",
         choices=["on", "off"],
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["triton", "grouped_mm"],
         help="experts backends to run each point with (the GEMM baseline is the same for all)",
     )
-    add_forward_graphs_flag(parser)
+    add_layer_flags(parser)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout in args.layouts:
                 point = Point(**{**asdict(POINTS[name]), "layout": layout})
                 measured, kernel_names = measure(
-                    point, rate, device, experts, args.forward_graphs == "on"
+                    point, rate, device, experts, args.forward_graphs == "on", args.dispatcher
                 )
                 results.append(measured)
                 names[f"{name}/{experts}/{layout}"] = kernel_names

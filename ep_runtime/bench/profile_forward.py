@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ep_runtime.bench.layer import POINTS, Point, add_forward_graphs_flag, build_layer, inputs
+from ep_runtime.bench.layer import POINTS, Point, add_layer_flags, build_layer, inputs
 from ep_runtime.bench.timing import sync
 from ep_runtime.kernels import triton_common
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--experts", default="grouped_mm", help="the experts backend")
     parser.add_argument("--no-profile", action="store_true", help="only the time per forward")
-    add_forward_graphs_flag(parser)
+    add_layer_flags(parser)
     parser.add_argument(
         "--launch-split",
         action="store_true",
@@ -146,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         experts=args.experts,
         device_checks=point.mode == "exact",  # no host read ends an exact forward
         forward_graphs=args.forward_graphs == "on",
+        dispatcher=args.dispatcher,
     )
     layer.load_weights(w13, w2)
     for _ in range(5):
         layer(x, ids, weights)
     issued, done, cpu = time_forwards(layer, x, ids, weights, args.forwards, args.repeats, device)
     print(
-        f"{point.name} ({point.mode}, {point.layout}, {args.experts}, T={point.tokens}, {dtype}, "
+        f"{point.name} ({point.mode}, {point.layout}, {args.dispatcher}, {args.experts}, "
+        f"T={point.tokens}, {dtype}, "
         f"{device.type}, layer graphs {'on' if layer.graphs else 'off'}): host {issued:.1f} "
         f"us/forward to issue, {done:.1f} us/forward to "
         f"finish, {cpu:.1f} us/forward of this process's CPU time to issue"
