@@ -214,6 +214,37 @@ def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr)
 
 
 @triton.jit
+def flush_down_tile(
+    acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP: tl.constexpr, TILES_N: tl.constexpr
+):
+    """Inside the loop: a finished tile before the program's last is stored and its
+    accumulator restarted (with one tile per program nothing is compiled here)."""
+    if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
+        if flush:
+            store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def store_last_down_tile(
+    out,
+    o_rows,
+    acc,
+    weight,
+    column_group,
+    width,
+    ok_m,
+    BN: tl.constexpr,
+    TILES_N: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """After the loop: the program's last column tile."""
+    n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+    store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
+
+
+@triton.jit
 def _store_up_tile(
     out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED: tl.constexpr, SWAP: tl.constexpr
 ):
@@ -393,12 +424,8 @@ def _down_kernel(
             a = tl.load(a_rows + k_step * BK, mask=a_ok, other=0.0)
             b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
             acc = tile_step(acc, a, tl.load(b_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)
-            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
-                if flush:
-                    store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
-                    acc = tl.zeros(shape, dtype=tl.float32)
-        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
-        store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
+            acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
+        store_last_down_tile(out, o_rows, acc, weight, column_group, width, ok_m, BN, TILES_N, SWAP)
     elif ZERO_PAD:
         zero_padding_tiles(
             out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,

@@ -31,8 +31,9 @@ from ep_runtime.kernels.expert_gemm import (
     activated,
     column_groups,
     down_launch,
+    flush_down_tile,
     row_tiles,
-    store_down_tile,
+    store_last_down_tile,
     untransposed,
     zero_padding_tiles,
 )
@@ -300,12 +301,8 @@ def _down_fp8_kernel(
             b_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step  # one block: BN | BK
             b_scale = tl.load(b_block, mask=tile_n < num_n, other=0.0)
             acc = _scaled_step(acc, a, b, a_scale * b_scale, SWAP)
-            if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
-                if flush:
-                    store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
-                    acc = tl.zeros(shape, dtype=tl.float32)
-        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
-        store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
+            acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
+        store_last_down_tile(out, o_rows, acc, weight, column_group, width, ok_m, BN, TILES_N, SWAP)
     elif ZERO_PAD:
         zero_padding_tiles(
             out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,
