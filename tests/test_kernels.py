@@ -477,6 +477,28 @@ def test_sum_rows(device, T, J, S, H, dtype, out_kind, chunk_kind, failed) -> No
         assert bool(results["triton"].isnan().any())
 
 
+@pytest.mark.parametrize("failed", [None, 0, 2])
+@pytest.mark.parametrize(("T", "H", "dtype"), [(0, 8, FP32), (1, 5, BF16), (17, 300, BF16)])
+def test_sum_rows_of_own_rows(device, T, H, dtype, failed) -> None:
+    """``own_rows``: a position ≥ 0 stands for the output's own row of the source (a world of
+    one); rows of tokens sent nowhere hold NaN and must come out exactly zero (hand oracle)."""
+    g = generator(T + H)
+    source = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    sent = torch.randint(0, 5, (T, 1), generator=g).to(torch.int32)  # a chunk row, or -1
+    sent[torch.rand(T, 1, generator=g) < 0.4] = -1
+    source[sent[:, 0] < 0] = float("nan")
+    expected = torch.where(sent >= 0, source.float(), 0.0).to(dtype)
+    flag = None
+    if failed is not None:
+        control = new_control(device, [0] * Control.FORWARD_FAILED + [failed])
+        flag = control[Control.FORWARD_FAILED]
+        if failed:
+            expected = torch.full_like(expected, float("nan"))
+    for ops in (triton_ops, torch_ops):
+        got = ops.sum_rows(source.to(device), sent.to(device), failed=flag, own_rows=True)
+        assert_bitwise(got.cpu(), expected, f"{ops.name} own rows")
+
+
 # --------------------------------------------------------------------------- headers
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("phase", [1, 2])

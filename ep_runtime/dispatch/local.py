@@ -4,10 +4,12 @@ Alone, every expert is this rank's, so the rows the experts read are the caller'
 (with fp8 experts, its ``q(x)``: e4m3 values and per-128-column scales, one launch) and the
 ids are the route's checked ones. STANDARD hands those over as they are; EXPANDED regroups
 them by expert as the packed-row transport does. Combine writes the experts' results (EXPANDED:
-each token's local rows summed in fp32) straight into the output. The forward protocol
-around it is the base class's: the route checks the ids, the header and the failure path run as
-at any world size, so its results are the packed-row transport's bit for bit, with two launches
-fewer (the pack and the local-id map; EXPANDED: the pack and the second reduction).
+each token's local rows summed in fp32; STANDARD: the rows of the tokens the route sent) straight
+into the output. The forward protocol around it is the base class's: the route checks the ids,
+the header and the failure path run as at any world size. So it computes what the packed-row
+transport computes (bit for bit wherever the experts take the same tile configs: the packed rows
+hand them a header row more) with two launches fewer (the pack and the local-id map; EXPANDED:
+the pack and the second reduction).
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 
 @dataclass(frozen=True)
 class LocalPacked:
-    rows: torch.Tensor  # [T, H] x, or [T, payload bytes] uint8 q(x) and its scales (fp8)
-    ids: torch.Tensor  # [T, K] int32 checked ids, -1 = unused
+    rows: torch.Tensor  # [T, H] x, or [T, ≥ payload bytes] uint8 q(x) and its scales (fp8)
+    route: Route  # ids: [T, K] int32 checked ids, -1 = unused
     weights: torch.Tensor  # [T, K] fp32
 
 
 @dataclass(frozen=True)
 class LocalHandle:
-    num_tokens: int
+    sent: torch.Tensor  # [T, 1] int32 the route's dest_slot: -1 = the token goes nowhere
     grouped_positions: torch.Tensor | None  # EXPANDED: [T, K] int32 grouped row of each slot
 
 
@@ -73,48 +75,45 @@ class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
             setup.max_top_k,
             quantized=setup.quantization is not None,
         )
-        capacity = setup.max_tokens_per_rank if setup.mode is DispatchMode.CAPACITY else 0
-        self._rows = torch.arange(capacity or 0, dtype=torch.int32, device=setup.device)[:, None]
+        self.payload_row_bytes = -(-self.row_format.payload_bytes // 16) * 16  # aligned rows
 
     def _pack(self, x: torch.Tensor, topk_weights: torch.Tensor, route: Route) -> LocalPacked:
         """Nothing to pack: fp8 experts get ``q(x)`` (and its scales), others ``x`` itself."""
         rows = x
         if self.row_format.quantized:
             rows = torch.empty(
-                x.size(0), self.row_format.payload_bytes, dtype=torch.uint8, device=x.device
+                x.size(0), self.payload_row_bytes, dtype=torch.uint8, device=x.device
             )
-            self.ops.quantize_rows(x, self.row_format.hidden(rows), self.row_format.scales(rows))
-        return LocalPacked(rows, route.ids, topk_weights.float())
+            columns_contiguous = x if x.stride(1) == 1 else x.contiguous()
+            hidden, scales = self.row_format.hidden(rows), self.row_format.scales(rows)
+            self.ops.quantize_rows(columns_contiguous, hidden, scales)
+        return LocalPacked(rows, route, topk_weights.float())
 
     def _exchange_dispatch(
         self, packed: LocalPacked, agreed: Agreed, layout: TopkLayout
     ) -> tuple[Dispatched, LocalHandle]:
-        num_tokens = packed.rows.size(0)
+        ids, sent = packed.route.ids, packed.route.dest_slot
         if layout is TopkLayout.EXPANDED:
-            if agreed.sizes is not None:  # exact sizes, read from the header
-                num_grouped = agreed.sizes.served_slots
-            else:
-                num_grouped = num_tokens * min(agreed.top_k, self.local.count)
             rows = packed.rows
             payload = self.row_format.payload_words(rows) if self.row_format.quantized else rows
             dispatched, positions = group_for_experts(
                 self.ops,
                 self.row_format,
                 payload,
-                packed.ids,
+                ids,
                 packed.weights,
                 self.local,
-                num_grouped,
+                rows.size(0) * min(agreed.top_k, self.local.count),  # every pair may be served
                 self.setup.poison,
             )
-            return dispatched, LocalHandle(num_tokens, positions)
+            return dispatched, LocalHandle(sent, positions)
         hidden, scale = packed.rows, None
         if self.row_format.quantized:
             hidden, scale = self.row_format.hidden(hidden), self.row_format.scales(hidden)
         dispatched = Dispatched(
-            hidden, packed.ids, packed.weights, layout, None, hidden_states_scale=scale
+            hidden, ids, packed.weights, layout, None, hidden_states_scale=scale
         )
-        return dispatched, LocalHandle(num_tokens, None)
+        return dispatched, LocalHandle(sent, None)
 
     def _exchange_combine(
         self,
@@ -139,17 +138,9 @@ class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
         failed: torch.Tensor | None,
     ) -> torch.Tensor:
         """Into ``out`` in one launch: EXPANDED sums each token's grouped rows in fp32;
-        STANDARD's rows are already each token's sum (read through the identity). NaN
-        everywhere if the forward failed."""
-        positions = handle.grouped_positions
-        if positions is None:
-            positions = self._identity(handle.num_tokens)
-        return self.ops.sum_rows(returned, positions, out, failed=failed)
-
-    def _identity(self, rows: int) -> torch.Tensor:
-        """``[rows, 1]`` int32 ``0..rows-1``, kept and grown (never per forward: a CUDA graph
-        of a forward reads it as it was allocated before the capture)."""
-        if self._rows.size(0) < rows:
-            size = max(rows, 2 * self._rows.size(0))
-            self._rows = torch.arange(size, dtype=torch.int32, device=self.comm.device)[:, None]
-        return self._rows[:rows]
+        STANDARD's rows are already each token's sum, read only for the tokens the route sent
+        (the experts may leave the others' rows as anything: they are zero, as a token sent
+        nowhere is in the packed-row transport). NaN everywhere if the forward failed."""
+        if handle.grouped_positions is not None:
+            return self.ops.sum_rows(returned, handle.grouped_positions, out, failed=failed)
+        return self.ops.sum_rows(returned, handle.sent, out, failed=failed, own_rows=True)

@@ -187,8 +187,19 @@ def zero_padding_tiles(
 
 
 @triton.jit
-def _column_step(i, steps, column_group, TILES_N: tl.constexpr):
-    """Step ``i`` of a program's one loop over its ``TILES_N`` column tiles × ``steps`` k-steps
+def _group_tiles(column_group, num_n, TILES_N: tl.constexpr):
+    """The column tiles of a program's group that lie inside the columns (the last group of a
+    row may be partial: its loop stops at the last real tile)."""
+    if TILES_N == 1:  # noqa: SIM108 (a constexpr branch: one tile is a compile-time count)
+        count = 1
+    else:
+        count = tl.minimum(TILES_N, num_n - column_group * TILES_N)
+    return count
+
+
+@triton.jit
+def _column_step(i, steps, column_group, count, TILES_N: tl.constexpr):
+    """Step ``i`` of a program's one loop over its ``count`` column tiles × ``steps`` k-steps
     → (column tile, k-step, whether a tile before the program's last ends here). One loop, not
     two nested, so the next tile's weight loads are in flight while a tile's epilogue runs, and
     the program's set-up (its expert, rows and their sources) is paid once for all its tiles.
@@ -201,7 +212,7 @@ def _column_step(i, steps, column_group, TILES_N: tl.constexpr):
         j = i // steps
         k_step = i - j * steps
         tile_n = column_group * TILES_N + j
-        flush = (k_step == steps - 1) & (j < TILES_N - 1)
+        flush = (k_step == steps - 1) & (j < count - 1)
     return tile_n, k_step, flush
 
 
@@ -228,19 +239,10 @@ def flush_down_tile(
 
 @triton.jit
 def store_last_down_tile(
-    out,
-    o_rows,
-    acc,
-    weight,
-    column_group,
-    width,
-    ok_m,
-    BN: tl.constexpr,
-    TILES_N: tl.constexpr,
-    SWAP: tl.constexpr,
+    out, o_rows, acc, weight, last_tile, width, ok_m, BN: tl.constexpr, SWAP: tl.constexpr
 ):
     """After the loop: the program's last column tile."""
-    n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+    n = last_tile * BN + tl.arange(0, BN)
     store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
 
 
@@ -319,10 +321,11 @@ def _up_kernel(
 ):
     """Program (row tile, TILES_N column tiles): A rows gathered through ``pairs``, fp32
     epilogue per column tile."""
-    num_groups_n = ((width + BN - 1) // BN + TILES_N - 1) // TILES_N
+    num_n = (width + BN - 1) // BN
     _, column_group, expert, _, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_groups_n, BM, GROUP_M, LP
-    )
+        tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
+        GROUP_M, LP,
+    )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
@@ -335,8 +338,9 @@ def _up_kernel(
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        for i in range(0, TILES_N * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+        count = _group_tiles(column_group, num_n, TILES_N)
+        for i in range(0, count * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
             if EVEN_K:
@@ -356,7 +360,7 @@ def _up_kernel(
                     _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED, SWAP)
                     acc_g = tl.zeros(shape, dtype=tl.float32)
                     acc_u = tl.zeros(shape, dtype=tl.float32)
-        n = (column_group * TILES_N + TILES_N - 1) * BN + tl.arange(0, BN)
+        n = (column_group * TILES_N + count - 1) * BN + tl.arange(0, BN)
         _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, n < width, GATED, SWAP)
 
 
@@ -396,10 +400,11 @@ def _down_kernel(
     """Program (row tile, TILES_N column tiles): router weight and one rounding in each tile's
     epilogue. A program past the real ones zeroes padding tile ``tile_m - total`` (ZERO_PAD):
     the grid bound leaves at least as many spare tiles as padding tiles."""
-    num_groups_n = ((width + BN - 1) // BN + TILES_N - 1) // TILES_N
+    num_n = (width + BN - 1) // BN
     tile_m, column_group, expert, first_tile, row_start, row_end = _expert_tile(
-        tl.program_id(0), offsets, num_local, tiles_m, num_groups_n, BM, GROUP_M, LP
-    )
+        tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
+        GROUP_M, LP,
+    )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
@@ -411,8 +416,9 @@ def _down_kernel(
         steps = (depth + BK - 1) // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        for i in range(0, TILES_N * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+        count = _group_tiles(column_group, num_n, TILES_N)
+        for i in range(0, count * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
             if EVEN_K:
@@ -425,7 +431,8 @@ def _down_kernel(
             b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
             acc = tile_step(acc, a, tl.load(b_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)
             acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
-        store_last_down_tile(out, o_rows, acc, weight, column_group, width, ok_m, BN, TILES_N, SWAP)
+        last_tile = column_group * TILES_N + count - 1
+        store_last_down_tile(out, o_rows, acc, weight, last_tile, width, ok_m, BN, SWAP)
     elif ZERO_PAD:
         zero_padding_tiles(
             out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,

@@ -25,6 +25,7 @@ from ep_runtime.kernels.expert_gemm import (
     _activate,
     _column_step,
     _expert_tile,
+    _group_tiles,
     _groups,
     _row_sources,
     _row_targets,
@@ -204,21 +205,21 @@ def _up_fp8_kernel(
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        for i in range(0, TILES_N * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+        count = _group_tiles(column_group, num_n, TILES_N)
+        for i in range(0, count * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
-            present = tile_n < num_n  # the program's last tiles may lie past the columns
             a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
             a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
             g_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
             g_scale = s_expert + tile_n * stride_wsn + k_step  # the tile's weight block
             g = tl.load(g_ptrs, mask=ok_n[None, :], other=0.0)
-            g_step = a_scale * tl.load(g_scale, mask=present, other=0.0)
+            g_step = a_scale * tl.load(g_scale)
             acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
             if GATED:
                 u = tl.load(g_ptrs + width * stride_wn, mask=ok_n[None, :], other=0.0)
-                u_step = a_scale * tl.load(g_scale + up_blocks, mask=present, other=0.0)
+                u_step = a_scale * tl.load(g_scale + up_blocks)
                 acc_u = _scaled_step(acc_u, a, u, u_step, SWAP)
             if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
                 if flush:
@@ -228,7 +229,7 @@ def _up_fp8_kernel(
                     )  # fmt: skip
                     acc_g = tl.zeros(shape, dtype=tl.float32)
                     acc_u = tl.zeros(shape, dtype=tl.float32)
-        last = column_group * TILES_N + TILES_N - 1
+        last = column_group * TILES_N + count - 1
         _store_quantized_tile(
             out, outs, o_rows, s_rows, acc_g, acc_u, last, ok_m, width, BN, GATED, SWAP
         )
@@ -291,18 +292,21 @@ def _down_fp8_kernel(
         steps = depth // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        for i in range(0, TILES_N * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, TILES_N)
+        count = _group_tiles(column_group, num_n, TILES_N)
+        for i in range(0, count * steps):
+            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
             a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
             a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
-            b = tl.load(w_expert + n[None, :] * stride_wn + k_step * BK, mask=ok_n[None, :])
+            b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
+            b = tl.load(b_ptrs, mask=ok_n[None, :], other=0.0)
             b_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step  # one block: BN | BK
-            b_scale = tl.load(b_block, mask=tile_n < num_n, other=0.0)
+            b_scale = tl.load(b_block)
             acc = _scaled_step(acc, a, b, a_scale * b_scale, SWAP)
             acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
-        store_last_down_tile(out, o_rows, acc, weight, column_group, width, ok_m, BN, TILES_N, SWAP)
+        last_tile = column_group * TILES_N + count - 1
+        store_last_down_tile(out, o_rows, acc, weight, last_tile, width, ok_m, BN, SWAP)
     elif ZERO_PAD:
         zero_padding_tiles(
             out, stride_om, offsets, num_local, tile_m, first_tile, num_rows, column_group,

@@ -93,6 +93,7 @@ class KernelOps(Protocol):
         chunk_counts: torch.Tensor | None = None,  # [J]
         chunks: ChunkLayout | None = None,
         failed: torch.Tensor | None = None,  # 0-d int
+        own_rows: bool = False,  # a position ≥ 0 stands for source row t itself
     ) -> torch.Tensor: ...
 
     def record_headers(

@@ -29,14 +29,20 @@ def torch_sum_rows(
     chunk_counts: torch.Tensor | None = None,  # [J] token rows per chunk of ``source``
     chunks: ChunkLayout | None = None,  # given: position (t, j) is a row of source's chunk j
     failed: torch.Tensor | None = None,  # 0-d int: nonzero → every output row is NaN
+    own_rows: bool = False,  # a position ≥ 0 stands for source row t itself
 ) -> torch.Tensor:
     """``out[t] = Σ_j source[row(t, j)]`` in fp32, adding j = 0, 1, … in order, rounded once;
-    ``row(t, j)`` is ``positions[t, j]``, or with ``chunks`` that token row of chunk j.
+    ``row(t, j)`` is ``positions[t, j]``, or with ``chunks`` that token row of chunk j, or with
+    ``own_rows`` row t (where ``positions[t, j] ≥ 0``: a world of one, whose results sit at their
+    token's row, reduces only the tokens the route sent).
 
     Deterministic (no atomics); a row no position refers to (padding, NaN) never enters a sum; a
     row with no positions is exactly zero."""
     num_out = positions.size(0)
     rows = positions.to(torch.int64)
+    if own_rows:
+        token = torch.arange(num_out, device=positions.device).unsqueeze(1)
+        rows = torch.where(rows >= 0, token, -1)
     if chunks is not None:
         assert chunk_counts is not None
         base = chunk_starts(chunk_counts, chunks) + chunks.header_rows  # [J]
@@ -76,6 +82,7 @@ def _sum_kernel(
     header_rows,
     capacity,  # -1: exact chunk sizes
     CHUNKED: tl.constexpr,
+    OWN_ROWS: tl.constexpr,
     HAS_FAILED: tl.constexpr,
     SOURCE_UNIT: tl.constexpr,
     OUT_UNIT: tl.constexpr,
@@ -96,6 +103,8 @@ def _sum_kernel(
             position = tl.load(at, mask=term, other=-1)
             used = (position >= 0) & (num_sources > 0)
             row = position.to(tl.int64)
+            if OWN_ROWS:
+                row = t
             if CHUNKED:
                 row += base
                 if capacity >= 0:
@@ -123,6 +132,7 @@ def triton_sum_rows(
     chunk_counts: torch.Tensor | None = None,  # [J] token rows per chunk of ``source``
     chunks: ChunkLayout | None = None,  # given: position (t, j) is a row of source's chunk j
     failed: torch.Tensor | None = None,  # 0-d int: nonzero → every output row is NaN
+    own_rows: bool = False,  # a position ≥ 0 stands for source row t itself
 ) -> torch.Tensor:
     """``out[t] = Σ_j source[row(t, j)]`` in fp32, adding j = 0, 1, … in order, rounded once
     (one launch; ``torch_sum_rows`` is the spec). No atomics: deterministic."""
@@ -158,6 +168,7 @@ def triton_sum_rows(
         chunks.header_rows if chunks is not None else 0,
         capacity_arg(chunks) if chunks is not None else -1,
         CHUNKED=chunks is not None,
+        OWN_ROWS=own_rows,
         HAS_FAILED=failed is not None,
         SOURCE_UNIT=source_unit,
         OUT_UNIT=out_unit,

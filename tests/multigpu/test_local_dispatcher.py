@@ -213,3 +213,35 @@ def test_auto_leaves_it_to_be_named_on_cuda_until_it_has_run_there() -> None:
     assert "name dispatcher='local' to use it" in (LocalDispatcher.auto_refusal(setup) or "")
     on_cpu = replace(setup, comm=SimpleNamespace(device=torch.device("cpu"), world_size=1))
     assert LocalDispatcher.auto_refusal(on_cpu) is None
+
+
+@pytest.mark.parametrize("device_checks", [False, True], ids=["host_checks", "device_checks"])
+def test_a_token_sent_nowhere_is_zero_whatever_its_expert_row_holds(monkeypatch, device_checks):
+    """STANDARD: rows of tokens with no served slot may hold anything after the experts (the
+    ``Dispatched`` contract); combine must not read them. A stand-in for the experts writes NaN
+    there (and each served row's weighted identity): the output is exact zeros for those tokens
+    and the weighted sum elsewhere, as with the packed-row transport."""
+    if device_checks:
+        monkeypatch.setenv(DEVICE_CHECKS_ENV, "1")
+    config = MoEConfig(8, 2, 32, 16, dtype=torch.float32)
+    x = torch.randint(-8, 9, (6, 32)).float()
+    ids = torch.tensor([[0, 3], [-1, -1], [5, -1], [-1, -1], [9, -1], [1, 2]])  # 9: invalid
+    weights = torch.full((6, 2), 0.5)
+    layer = EPMoE(
+        config, dispatcher=LOCAL, layout="standard", device="cpu", device_checks=device_checks
+    )
+    try:
+        if not device_checks:  # else the bad id is dropped, not raised (check() names it)
+            ids[4, 0] = -1
+        dispatched, _ = layer.dispatcher.dispatch(
+            x, ids, weights, layer.layout, layer=layer.identity
+        )
+        served = dispatched.topk_ids >= 0  # [T, K]
+        results = torch.where(served, dispatched.topk_weights, 0.0).sum(1, keepdim=True) * x
+        results[~served.any(1)] = float("nan")
+        out = layer.dispatcher.combine(results, dispatched)
+    finally:
+        layer.close()
+    nowhere = torch.tensor([False, True, False, True, True, False])
+    assert torch.equal(out[nowhere], torch.zeros(3, 32))
+    assert torch.equal(out[~nowhere], x[~nowhere] * torch.tensor([[1.0], [0.5], [1.0]]))
