@@ -154,9 +154,10 @@ def test_alone_it_skips_the_pack_and_one_more_op(
     """Hand count of the transport's ops in one forward against the packed-row transport's
     (fp8: ``q(x)`` is the one op where the pack was), outputs bitwise equal; with the ids'
     verdict read on the host or (the CUDA path, forced on here) on the device; through the torch
-    ops and through the Triton kernels (as on CUDA)."""
+    ops and through the Triton kernels (compiled on a GPU, else interpreted on CPU)."""
     if ops is TRITON_OPS and not HAS_TRITON:
         pytest.skip("triton is not installed")
+    on = "cuda" if ops is TRITON_OPS and torch.cuda.is_available() else "cpu"
     if device_checks:
         monkeypatch.setenv(DEVICE_CHECKS_ENV, "1")
     hidden = 128 if quantized else 32
@@ -169,6 +170,7 @@ def test_alone_it_skips_the_pack_and_one_more_op(
     w2 = torch.randn(8, hidden, config.intermediate_size, generator=g) / hidden**0.5
     x = torch.randn(5, hidden, generator=g).bfloat16()
     ids, weights = torch.tensor([[0, 3], [1, -1], [-1, -1], [7, 2], [3, 0]]), torch.rand(5, 2)
+    x, ids, weights = x.to(on), ids.to(on), weights.to(on)
     calls, outputs = {}, {}
     for name in (LOCAL, ROWS):
         layer = EPMoE(
@@ -176,7 +178,7 @@ def test_alone_it_skips_the_pack_and_one_more_op(
             dispatcher=name,
             experts="reference",
             layout=layout,
-            device="cpu",
+            device=on,
             device_checks=device_checks,
         )
         try:
