@@ -1,10 +1,10 @@
 """On a CUDA machine: how ``"auto"`` treats DeepEP V2 and the FlashInfer experts there, and that
 a backend which cannot run is refused at once (no download, no JIT build, no hang).
 
-- DeepEP: on a one-rank NCCL group, ``dispatcher="auto"`` matches ``reference_moe``; where
-  DeepEP V2 cannot run (the H200 as it comes: no deep_ep, NCCL 2.28.9) it fell back to
-  torch_a2a and its description names every problem, and ``"deepep_v2"`` by name is refused;
-  where it can, auto chose it and the name is accepted.
+- DeepEP: on a one-rank NCCL group, ``dispatcher="auto"`` takes ``local`` (nothing to move in a
+  world of one) and matches ``reference_moe``; where DeepEP V2 cannot run (the H200 as it comes:
+  no deep_ep, NCCL 2.28.9) ``"deepep_v2"`` by name is refused naming every problem; where it
+  can, the name is accepted.
 - FlashInfer: ``flashinfer_trtllm`` refused within a second where the device's arch is not
   its own; the TRTLLM cubin probe answers within a second; ``flashinfer_cutlass`` named is
   accepted (its self-check passed) or refused within a second (``EP_RUNTIME_FLASHINFER_
@@ -78,7 +78,7 @@ def nccl_world_of_one(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_auto_dispatcher_treats_deepep_as_its_probe_says(nccl_world_of_one) -> None:
+def test_auto_takes_local_and_deepep_by_name_is_as_its_probe_says(nccl_world_of_one) -> None:
     from ep_runtime.dispatch.deepep_v2 import deep_ep_problems, first_dispatch_problem
 
     problems = list(deep_ep_problems())
@@ -92,13 +92,12 @@ def test_auto_dispatcher_treats_deepep_as_its_probe_says(nccl_world_of_one) -> N
     finally:
         layer.close()
     assert comparison.passed, comparison.describe()
+    assert chosen == "local", description  # a world of one: ahead of every transport
     refusal, _ = timed_refusal(dispatcher="deepep_v2")
     if problems:
-        assert chosen == "torch_a2a", description
-        assert [p for p in problems if p not in description] == [], description
         assert refusal is not None and "deepep_v2" in refusal
+        assert [p for p in problems if p not in refusal] == [], refusal
     else:
-        assert chosen == "deepep_v2", description
         assert refusal is None
 
 

@@ -42,8 +42,8 @@ class LocalHandle:
 
 @DISPATCHERS.register
 class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
-    """A world of one: the experts read the caller's rows; ``"auto"`` prefers it there (on
-    CPU; on CUDA once it has run there)."""
+    """A world of one: the experts read the caller's rows; ``"auto"`` tries it before every
+    transport there (nothing to move beats moving it), on CPU and CUDA alike."""
 
     name = "local"
     capabilities = DispatcherCapabilities(
@@ -54,16 +54,7 @@ class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
         max_world_size=1,
         graph_capturable=True,
     )
-    auto_priority = 10
-
-    @classmethod
-    def auto_refusal(cls, setup: DispatchSetup) -> str | None:
-        if setup.device.type == "cuda":
-            return (
-                "not yet run on a GPU (its ops are the packed-row transport's Triton kernels, "
-                "run here only under Triton's interpreter): name dispatcher='local' to use it"
-            )
-        return None
+    auto_priority = 20  # above deepep_v2's 10: at a world of one nothing needs a transport
 
     def __init__(self, setup: DispatchSetup, peer_setup: PeerSetup) -> None:
         super().__init__(setup, peer_setup)

@@ -7,7 +7,6 @@ against the fp64 oracle of the contract."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,12 +14,14 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime import EPMoE, MoEConfig
+from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.dispatch.local import LocalDispatcher
 from ep_runtime.dispatch.setup import DEVICE_CHECKS_ENV, DispatchSetup
 from ep_runtime.kernels import TORCH_OPS, TRITON_OPS, KernelOps
 from ep_runtime.kernels.triton_common import HAS_TRITON
 from ep_runtime.quantization import quantize_weight_blocks
-from ep_runtime.types import DispatchMode
+from ep_runtime.selection import _dispatcher_refusal
+from ep_runtime.types import DispatchMode, TopkLayout
 from tests.multigpu import checks, dispatch_cases, fp8_cases, rank_inputs
 from tests.multigpu.layer_cases import run_layer_case
 from tests.multigpu.pool import RankFailure
@@ -200,11 +201,13 @@ def test_alone_it_skips_the_pack_and_one_more_op(
     assert sorted(calls[LOCAL]) == sorted(remaining), calls
 
 
-def test_auto_leaves_it_to_be_named_on_cuda_until_it_has_run_there() -> None:
-    """Its Triton path has run only under the interpreter: on CUDA ``"auto"`` passes it over
-    with that reason (named, it runs); on CPU ``"auto"`` picks it alone."""
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("layout", list(TopkLayout), ids=lambda layout: layout.value)
+def test_auto_tries_it_first_in_a_world_of_one(device_type: str, layout: TopkLayout) -> None:
+    """``"auto"`` tries it before every other dispatcher (DeepEP V2 included) and takes it, on
+    CPU and on CUDA (where its Triton path ran compiled: BENCHMARKS.md, 2026-12-04)."""
     setup = DispatchSetup(
-        comm=SimpleNamespace(device=torch.device("cuda"), world_size=1),  # type: ignore[arg-type]
+        comm=SimpleNamespace(device=torch.device(device_type), world_size=1),  # type: ignore[arg-type]
         num_experts=8,
         hidden_size=32,
         max_top_k=2,
@@ -212,9 +215,9 @@ def test_auto_leaves_it_to_be_named_on_cuda_until_it_has_run_there() -> None:
         dtype=torch.bfloat16,
         mode=DispatchMode.EXACT,
     )
-    assert "name dispatcher='local' to use it" in (LocalDispatcher.auto_refusal(setup) or "")
-    on_cpu = replace(setup, comm=SimpleNamespace(device=torch.device("cpu"), world_size=1))
-    assert LocalDispatcher.auto_refusal(on_cpu) is None
+    candidates = DISPATCHERS.candidates("auto")
+    assert candidates[0] is LocalDispatcher, [c.name for c in candidates]
+    assert _dispatcher_refusal(LocalDispatcher, "auto", setup, layout) is None
 
 
 @pytest.mark.parametrize("device_checks", [False, True], ids=["host_checks", "device_checks"])
