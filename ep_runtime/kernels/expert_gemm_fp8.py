@@ -124,6 +124,24 @@ def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _step_operands(
+    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n, k_step, width,
+    BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """One k-step's operands of column tile ``tile_n``: its columns and their mask, the rows'
+    e4m3 codes ``[BM, BK]`` and scales ``[BM]``, the weight tile's pointers and codes ``[BK,
+    BN]``, and the pointer to its weight block's scale (BN divides BK: one block a tile)."""
+    n = tile_n * BN + tl.arange(0, BN)
+    ok_n = n < width
+    a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
+    a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
+    w_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
+    w_tile = tl.load(w_ptrs, mask=ok_n[None, :], other=0.0)
+    w_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step
+    return n, ok_n, a, a_scale, w_ptrs, w_tile, w_block
+
+
+@triton.jit
 def _store_quantized_tile(
     out,
     outs,
@@ -208,13 +226,10 @@ def _up_fp8_kernel(
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            n = tile_n * BN + tl.arange(0, BN)
-            ok_n = n < width
-            a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
-            a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
-            g_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
-            g_scale = s_expert + tile_n * stride_wsn + k_step  # the tile's weight block
-            g = tl.load(g_ptrs, mask=ok_n[None, :], other=0.0)
+            _, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
+                a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
+                k_step, width, BN, BK,
+            )  # fmt: skip
             g_step = a_scale * tl.load(g_scale)
             acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
             if GATED:
@@ -295,15 +310,11 @@ def _down_fp8_kernel(
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            n = tile_n * BN + tl.arange(0, BN)
-            ok_n = n < width
-            a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
-            a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
-            b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
-            b = tl.load(b_ptrs, mask=ok_n[None, :], other=0.0)
-            b_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step  # one block: BN | BK
-            b_scale = tl.load(b_block)
-            acc = _scaled_step(acc, a, b, a_scale * b_scale, SWAP)
+            n, ok_n, a, a_scale, _, b, b_block = _step_operands(
+                a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
+                k_step, width, BN, BK,
+            )  # fmt: skip
+            acc = _scaled_step(acc, a, b, a_scale * tl.load(b_block), SWAP)
             acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
         last_tile = column_group * TILES_N + count - 1
         store_last_down_tile(out, o_rows, acc, weight, last_tile, width, ok_m, BN, SWAP)
