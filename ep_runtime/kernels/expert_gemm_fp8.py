@@ -226,7 +226,7 @@ def _up_fp8_kernel(
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            _, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
+            _cols, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
                 a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
                 k_step, width, BN, BK,
             )  # fmt: skip
@@ -310,7 +310,7 @@ def _down_fp8_kernel(
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            n, ok_n, a, a_scale, _, b, b_block = _step_operands(
+            n, ok_n, a, a_scale, _ptrs, b, b_block = _step_operands(
                 a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
                 k_step, width, BN, BK,
             )  # fmt: skip
