@@ -89,7 +89,8 @@ def test_too_many_tokens_is_refused_before_any_rank_starts(capsys, monkeypatch):
 def test_a_model_too_large_for_the_host_names_the_model(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_launch", _no_launch)
     monkeypatch.setattr(memory, "available_bytes", lambda device: (10**9, "available here"))
-    assert main(["--launcher", "spawn", "--model", "deepseek-v3", "--dp", "1"]) == EXIT_USAGE
+    args = ["--launcher", "spawn", "--model", "deepseek-v3", "--dp", "1", "--device", "cpu"]
+    assert main(args) == EXIT_USAGE  # CPU ranks: fp32 weights, on any host
     out = capsys.readouterr().out
     assert out.startswith("error: --model: expected a model whose expert shard fits in memory, "
                           "given deepseek-v3"), out  # fmt: skip

@@ -50,7 +50,12 @@ def _package_exception_classes() -> set[type[BaseException]]:
     for module_info in pkgutil.walk_packages(ep_runtime.__path__, "ep_runtime."):
         if module_info.name.endswith("__main__"):  # running it would start a launcher
             continue
-        module = importlib.import_module(module_info.name)
+        try:
+            module = importlib.import_module(module_info.name)
+        except ModuleNotFoundError as missing:  # an extra's module; CI installs every extra
+            if missing.name != "ray":
+                raise
+            pytest.skip(f"ray is not installed ({module_info.name} needs it)")
         for value in vars(module).values():
             if (
                 inspect.isclass(value)

@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-# flashinfer must be installed where these run (as for tests/test_flashinfer_experts.py)
+# CI installs flashinfer: a skip there fails the session (tests/conftest.py); a GPU host may lack it
+pytest.importorskip("flashinfer", reason="flashinfer is not installed (the `gpu` extra)")
+
 from flashinfer.fused_moe import prepare as fused_moe_prepare
 from flashinfer.fused_moe.api import QuantConfig, QuantFormat, SwiGLU
 

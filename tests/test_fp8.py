@@ -125,7 +125,7 @@ def fp8_inputs(activation: str, dtype: torch.dtype, tokens: int = 40, seed: int 
 
 def fp8_layer(activation: str, dtype: torch.dtype, **options) -> EPMoE:
     config = MoEConfig(E, K, H, I, activation=activation, dtype=dtype, quantization="fp8_block")
-    return EPMoE(config, max_tokens_per_rank=16, **options)
+    return EPMoE(config, max_tokens_per_rank=16, **{"device": "cpu", **options})  # CPU twin
 
 
 def load(layer: EPMoE, weights) -> None:
