@@ -266,13 +266,29 @@ def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int, fp8:
     return result
 
 
+def shared_best(points: list[dict]) -> dict:
+    """The config for token counts that share one table entry (the same GEMM, shape and
+    rows-per-expert bucket, e.g. Qwen3's T 1 and T 8): the lowest sum over the points of its
+    time over that point's best, among the configs every point timed; one point: its best."""
+    ratios: dict[str, list[float]] = {}
+    for point in points:
+        fastest = point["best_ms"]
+        for config, ms in point["tried"]:
+            ratios.setdefault(json.dumps(config, sort_keys=True), []).append(ms / fastest)
+    common = {config: sum(r) for config, r in ratios.items() if len(r) == len(points)}
+    return json.loads(min(common, key=common.__getitem__))
+
+
 def merge(document: dict, device_name: str, results: list[dict]) -> dict:
     """The table with this run's winners written under ``device_name``."""
     devices = document.setdefault("devices", {})
     entries = devices.setdefault(device_name, {})
+    sharing: dict[tuple[str, str], list[dict]] = {}
     for point in results:
         for gemm in ("up", "down"):
-            entries.setdefault(point[gemm]["key"], {})[str(point["bucket"])] = point[gemm]["best"]
+            sharing.setdefault((point[gemm]["key"], str(point["bucket"])), []).append(point[gemm])
+    for (key, bucket), points in sharing.items():
+        entries.setdefault(key, {})[bucket] = shared_best(points)
     return document
 
 
@@ -304,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             fp8 = args.quantization == "fp8_block"
             results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8))
-            merge(document, device_name, results[-1:])  # written as it goes: a cut run keeps it
+            merge(document, device_name, results)  # written as it goes: a cut run keeps it
             args.table.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     if args.json is not None:
         args.json.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
