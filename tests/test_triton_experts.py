@@ -230,6 +230,48 @@ def test_auto_never_picks_the_interpreter_and_cpu_needs_it(monkeypatch) -> None:
     assert "TRITON_INTERPRET=1" in TritonExperts.refusal(setup, None)
 
 
+def test_rows_buckets_by_hand() -> None:
+    from fractions import Fraction
+
+    from ep_runtime.kernels.expert_tiles import rows_bucket
+
+    # (rows, local experts) -> the power of two at or above rows / experts
+    cases = {
+        (0, 8): Fraction(1, 8),  # no rows count as one
+        (8, 8): 1,
+        (9, 8): 2,
+        (1024, 32): 32,
+        (1025, 32): 64,
+        (8, 128): Fraction(1, 16),  # Qwen3 T 1: 8 of 128 experts
+        (64, 128): Fraction(1, 2),  # Qwen3 T 8
+        (12, 128): Fraction(1, 8),
+        (8, 32): Fraction(1, 4),  # DSV3 shard T 1
+        (1, 128): Fraction(1, 128),
+    }
+    for (rows, experts), want in cases.items():
+        assert rows_bucket(rows, experts) == want, (rows, experts)
+
+
+def test_nearest_bucket_serves_shapes_without_their_own(monkeypatch) -> None:
+    from fractions import Fraction
+
+    few, many = TileConfig(16, 32, 256), TileConfig(64, 128, 64)
+    table = {"up_L128_N768_K2048_gated": {Fraction(1, 16): few, Fraction(4): many}}
+    monkeypatch.setattr(expert_tiles, "_table", lambda device_name: table)
+
+    def pick(rows: int) -> TileConfig:
+        return expert_tiles.select("GPU", "up", 128, 768, 2048, True, rows)
+
+    # distances in powers of two from the rows' bucket to 1/16 and to 4
+    assert pick(8) == few  # 1/16: its own entry
+    assert pick(32) == few  # 1/4: 2 steps against 4
+    assert pick(128) == many  # 1: 4 steps against 2
+    assert pick(4096) == many  # 32: its nearest
+    assert expert_tiles.select("GPU", "down", 128, 2048, 768, False, 8) == (
+        expert_tiles.heuristic("down", Fraction(1, 16), 2048, 768, interpret=False)
+    )
+
+
 def test_shipped_tile_table_is_valid() -> None:
     import json
 
@@ -243,7 +285,11 @@ def test_shipped_tile_table_is_valid() -> None:
         for key, buckets in shapes.items():
             assert key.startswith(("up_L", "down_L", "fp8_up_L", "fp8_down_L")), key
             for bucket, config in buckets.items():
-                assert bucket & (bucket - 1) == 0, (key, bucket)
+                top, bottom = bucket.numerator, bucket.denominator
+                assert 1 in (top, bottom) and top & (top - 1) == bottom & (bottom - 1) == 0, (
+                    key,
+                    bucket,
+                )
                 assert {config.block_m, config.block_n, config.block_k} <= powers, (key, config)
                 if key.startswith("fp8_"):  # one scale per k-step; GEMM1 quantizes per tile
                     assert config.block_k == 128, (key, config)

@@ -5,6 +5,7 @@ device-to-device copy rate, the kernels a call launches)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -106,6 +107,28 @@ def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def device_ms(work: Callable[[], object], iters: int = 10, flush_bytes: int = 256 << 20) -> float:
+    """Device time of one ``work()`` with a cold L2: a CUDA graph of several calls, each after
+    a ``flush_bytes`` write that evicts L2 (so the weights come from HBM, as a model's next
+    layer reads its own), less a graph of the writes alone. Unlike an event-timed single call
+    it excludes the host's launch cost, which at decode is larger than the kernel."""
+    rough_ms = time_ms(work, iters=3, warmup=2)  # compiles and warms ``work`` before capture
+    reps = max(1, min(50, math.ceil(2.0 / max(rough_ms, 1e-3))))
+    scratch = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+
+    def captured(with_work: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                scratch.zero_()
+                if with_work:
+                    work()
+        return graph
+
+    both, flushes = captured(True), captured(False)
+    return (time_ms(both.replay, iters) - time_ms(flushes.replay, iters)) / reps
 
 
 def graph_replay_ms(forward: Callable[[], torch.Tensor], eager_out: torch.Tensor) -> float:

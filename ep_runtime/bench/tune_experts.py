@@ -6,10 +6,12 @@ entries are keyed apart (prefix ``fp8_``).
 
 For each model shape and token count, routes T tokens (balanced random, distinct experts per
 token, world size 1, STANDARD layout: rows gathered through the sorted pairs), times every
-candidate config of each GEMM (``expert_up``, ``expert_down``) with CUDA events (median), checks
-the winner against the kernels' torch spec, and merges the fastest per (GEMM, L, N, K, rows-per-
-expert bucket) into the table shipped in the package (``ep_runtime/kernels/expert_tiles.json``),
-under this GPU's name. One CUDA GPU.
+candidate config of each GEMM (``expert_up``, ``expert_down``) on the device alone (CUDA graphs of
+several calls, L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at
+decode mostly times the host's launch), checks the winner against the kernels' torch spec, and
+merges the best per (GEMM, L, N, K, rows-per-expert bucket) into the table shipped in the
+package (``ep_runtime/kernels/expert_tiles.json``), under this GPU's name; token counts sharing
+a bucket get the config best over all of them. One CUDA GPU.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 
-from ep_runtime.bench.timing import time_ms
+from ep_runtime.bench.timing import device_ms
 from ep_runtime.kernels.expert_tiles import TileConfig, rows_bucket, shape_key, table_path
 from ep_runtime.quantization import (
     FP8_DTYPE,
@@ -53,7 +56,7 @@ SHAPES = {
 TOKENS = (1, 8, 32, 128, 512, 4096)
 
 
-def candidates(bucket: int) -> list[TileConfig]:
+def candidates(bucket: Fraction) -> list[TileConfig]:
     """The configs tried for a rows-per-expert bucket: few-row tiles (plain and swapped) for
     decode, large tiles with grouped ordering for prefill, both in between. Kept short: every
     config is a compile of each kernel."""
@@ -99,7 +102,7 @@ def candidates(bucket: int) -> list[TileConfig]:
     return prefill
 
 
-def fp8_candidates(bucket: int, gemm: str) -> list[TileConfig]:
+def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
     """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step), BLOCK_N dividing 128 (a
     column tile lies in one weight block: one weight scale per k-step) and, for GEMM1,
     BLOCK_N = 128 (its epilogue quantizes one 128-column group per tile row)."""
@@ -232,13 +235,13 @@ def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int, fp8:
     """Best config of each GEMM for (shape, T), with every candidate's time."""
     runs = _runs(shape, tokens, device, fp8)
     bucket = rows_bucket(tokens * shape.top_k, shape.num_local)
-    result: dict = {"shape": shape.name, "tokens": tokens, "bucket": bucket, "fp8": fp8}
+    result: dict = {"shape": shape.name, "tokens": tokens, "bucket": str(bucket), "fp8": fp8}
     for gemm, (run, got, want, rows) in runs.items():
         timings = {}
         tried = fp8_candidates(bucket, gemm) if fp8 else candidates(bucket)
         for config in tried:
             try:
-                timings[config] = time_ms(lambda c=config, run=run: run(c), iters, warmup=2)
+                timings[config] = device_ms(lambda c=config, run=run: run(c), iters)
             except Exception as error:  # out of shared memory / registers: not a candidate
                 print(f"  {gemm} {config}: {type(error).__name__}", file=sys.stderr)
         best = min(timings, key=timings.__getitem__)

@@ -5,8 +5,10 @@ the table lacks.
 A table entry is keyed by the GEMM (``up``: ``[rows, H] · w13ᵀ`` → ``[rows, I]``, gated or not;
 ``down``: ``[rows, I] · w2ᵀ`` → ``[rows, H]``), the local expert count ``L``, the output width
 ``N``, the reduction depth ``K``, and the bucket of rows per expert (the power of two at or above
-``rows / L``). A shape whose exact key is missing takes the nearest bucket of the same
-``(gemm, L, N, K)``, else the heuristic. Nothing here imports Triton.
+``rows / L``; below one row per expert a fraction such as ``1/16``, since Qwen3's T = 1 touches 8
+of 128 experts and T = 8 about 50 and they want different tiles). A shape whose exact key is
+missing takes the nearest bucket of the same ``(gemm, L, N, K)``, else the heuristic. Nothing
+here imports Triton.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 
@@ -45,10 +48,18 @@ class TileConfig:
         return TileConfig(**entry)
 
 
-def rows_bucket(rows: int, num_local: int) -> int:
-    """The power of two at or above the mean rows per expert (at least 1)."""
-    mean = max(1, -(-rows // max(1, num_local)))
-    return 1 << (mean - 1).bit_length()
+def rows_bucket(rows: int, num_local: int) -> Fraction:
+    """The power of two at or above the mean rows per expert ``rows / num_local`` (a fraction
+    ``1/2^j`` when there are fewer rows than experts; no rows count as one)."""
+    rows, num_local = max(1, rows), max(1, num_local)
+    if rows >= num_local:
+        return Fraction(1 << (-(-rows // num_local) - 1).bit_length())
+    return Fraction(1, 1 << (num_local // rows).bit_length() - 1)
+
+
+def bucket_exponent(bucket: Fraction) -> int:
+    """``log2`` of a power-of-two bucket."""
+    return bucket.numerator.bit_length() - bucket.denominator.bit_length()
 
 
 def _pow2(n: int) -> int:
@@ -65,7 +76,7 @@ def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool, fp8: bool 
 
 
 @functools.cache
-def _table(device_name: str) -> dict[str, dict[int, TileConfig]]:
+def _table(device_name: str) -> dict[str, dict[Fraction, TileConfig]]:
     """The shipped entries for ``device_name`` (empty when none were tuned on it)."""
     try:
         text = resources.files(TABLE_PACKAGE).joinpath(TABLE_FILE).read_text()
@@ -74,11 +85,12 @@ def _table(device_name: str) -> dict[str, dict[int, TileConfig]]:
     return parse_table(json.loads(text)).get(device_name, {})
 
 
-def parse_table(document: dict) -> dict[str, dict[str, dict[int, TileConfig]]]:
-    """``{device: {shape key: {bucket: config}}}`` from the JSON document."""
+def parse_table(document: dict) -> dict[str, dict[str, dict[Fraction, TileConfig]]]:
+    """``{device: {shape key: {bucket: config}}}`` from the JSON document (buckets written as
+    ``"4"`` or ``"1/16"``)."""
     return {
         device: {
-            key: {int(bucket): TileConfig.from_json(c) for bucket, c in buckets.items()}
+            key: {Fraction(bucket): TileConfig.from_json(c) for bucket, c in buckets.items()}
             for key, buckets in shapes.items()
         }
         for device, shapes in document.get("devices", {}).items()
@@ -90,7 +102,7 @@ def table_path() -> Path:
     return Path(__file__).with_name(TABLE_FILE)
 
 
-def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileConfig:
+def heuristic(gemm: str, bucket: Fraction, n: int, k: int, interpret: bool) -> TileConfig:
     """A config for shapes without a tuned entry. Under the interpreter, where every program
     and every step costs milliseconds: the fewest programs and steps for small test shapes."""
     if interpret:
@@ -104,7 +116,7 @@ def heuristic(gemm: str, bucket: int, n: int, k: int, interpret: bool) -> TileCo
     return TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
 
 
-def heuristic_fp8(gemm: str, bucket: int, interpret: bool) -> TileConfig:
+def heuristic_fp8(gemm: str, bucket: Fraction, interpret: bool) -> TileConfig:
     """A config of the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``): BLOCK_K = 128
     (one scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per
     tile row). Decode swaps the tile (weight rows on the matrix unit's M side)."""
@@ -136,7 +148,8 @@ def select(
     key = shape_key(gemm, num_local, n, k, gated, fp8)
     tuned = {} if interpret else _table(device_name).get(key)
     if tuned:
-        nearest = min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        exponent = bucket_exponent(bucket)
+        nearest = min(tuned, key=lambda b: (abs(bucket_exponent(b) - exponent), b))
         return tuned[nearest]
     if fp8:
         return heuristic_fp8(gemm, bucket, interpret)
