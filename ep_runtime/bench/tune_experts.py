@@ -95,6 +95,16 @@ def candidates(bucket: Fraction) -> list[TileConfig]:
         TileConfig(128, 128, 128, 8, 8, 3),
         TileConfig(128, 256, 64, 8, 8, 4),
     ]
+    few_experts = [  # fewer rows than experts (T 1): narrower column tiles, more programs
+        TileConfig(16, 32, 128, 1, 4, 4),
+        TileConfig(16, 32, 128, 1, 4, 4, swap=True),
+        TileConfig(16, 32, 256, 1, 4, 3, swap=True),
+        TileConfig(16, 64, 256, 1, 4, 3, swap=True),
+        TileConfig(16, 64, 128, 1, 2, 4, swap=True),
+        TileConfig(16, 64, 128, 1, 4, 6, swap=True),
+    ]
+    if bucket < 1:
+        return decode + few_experts
     if bucket <= 16:
         return decode
     if bucket <= 64:
@@ -124,9 +134,16 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
         TileConfig(16, 128, 128, 1, 4, 4, tiles_n=2),
         TileConfig(16, 64, 128, 1, 4, 4, swap=True, tiles_n=2),
         TileConfig(16, 64, 128, 1, 4, 5, swap=True, tiles_n=4),
+        TileConfig(16, 128, 128, 1, 4, 6, swap=True),
+        TileConfig(16, 128, 128, 1, 8, 5, swap=True),
+        TileConfig(16, 64, 128, 1, 4, 6, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 5, swap=True),
+        TileConfig(16, 128, 128, 1, 4, 6, swap=True, tiles_n=2),
     ]
     middle = [
         TileConfig(32, 128, 128, 1, 4, 4, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 5, swap=True),
+        TileConfig(32, 128, 128, 1, 4, 5),
         TileConfig(32, 128, 128, 1, 4, 4),
         TileConfig(64, 128, 128, 4, 4, 3),
         TileConfig(64, 128, 128, 8, 4, 4),
