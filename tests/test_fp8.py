@@ -199,7 +199,11 @@ def test_distance_to_the_unquantized_layer(activation, capsys):
     load(fp8, weights)
     out_fp8 = fp8(x, ids, topk_weights)
     fp8.close()
-    bf16 = EPMoE(MoEConfig(E, K, H, I, activation=activation, dtype=dtype), experts="reference")
+    bf16 = EPMoE(
+        MoEConfig(E, K, H, I, activation=activation, dtype=dtype),
+        experts="reference",
+        device="cpu",
+    )
     bf16.load_weights(dequantize_weight_blocks(q13, s13), dequantize_weight_blocks(q2, s2))
     out_bf16 = bf16(x, ids, topk_weights)
     bf16.close()

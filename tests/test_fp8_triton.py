@@ -42,6 +42,9 @@ NARROW = TileConfig(16, 64, 128, num_stages=1, swap=True)  # GEMM2 only: 2 tiles
 # 2 in 2s, its 4 narrow ones in 3s (the second group partial)
 TWO_COLUMN_TILES = TileConfig(16, 128, 128, num_stages=1, tiles_n=2)
 THREE_NARROW_TILES = TileConfig(16, 64, 128, num_stages=1, swap=True, tiles_n=3)
+# two 128-deep blocks (each its own scales) per loop iteration; GEMM2's tests then take I = 256
+TWO_BLOCKS_A_STEP = TileConfig(16, 128, 256, num_stages=1, swap=True)
+TWO_BLOCKS_ONE_DEEP = TileConfig(16, 64, 256, num_stages=1)  # I = 128: one block a step
 
 
 def quantize_on_device(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,13 +96,13 @@ def test_quantize_kernel_on_strided_rows():
 
 
 # --------------------------------------------------------------------------- GEMMs vs specs
-def gemm_problem(gated: bool, layout: str, seed: int = 0):
+def gemm_problem(gated: bool, layout: str, seed: int = 0, intermediate: int = I):
     """Local experts 0..3 of a rank; rows with unused slots, a row served by nobody, an expert
     with no rows; NaN in that row (never read)."""
     g = torch.Generator().manual_seed(seed)
     rows, top_k, num_local = 11, 2, 4
-    w13 = torch.randn(num_local, (2 if gated else 1) * I, H, generator=g) / H**0.5
-    w2 = torch.randn(num_local, H, I, generator=g) / I**0.5
+    w13 = torch.randn(num_local, (2 if gated else 1) * intermediate, H, generator=g) / H**0.5
+    w2 = torch.randn(num_local, H, intermediate, generator=g) / intermediate**0.5
     w13[1, :128] *= 30  # blocks of very different scales
     q13, s13 = quantize_weight_blocks(w13)
     q2, s2 = quantize_weight_blocks(w2)
@@ -148,7 +151,9 @@ def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> 
 
 
 @pytest.mark.parametrize(
-    "config", [PLAIN, SWAPPED, TWO_COLUMN_TILES], ids=["plain", "swapped", "two-column-tiles"]
+    "config",
+    [PLAIN, SWAPPED, TWO_COLUMN_TILES, TWO_BLOCKS_A_STEP],
+    ids=["plain", "swapped", "two-column-tiles", "two-blocks-a-step"],
 )
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
@@ -174,13 +179,30 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
 
 @pytest.mark.parametrize(
     "config",
-    [PLAIN, SWAPPED, NARROW, TWO_COLUMN_TILES, THREE_NARROW_TILES],
-    ids=["plain", "swapped", "narrow", "two-column-tiles", "three-narrow-tiles"],
+    [
+        PLAIN,
+        SWAPPED,
+        NARROW,
+        TWO_COLUMN_TILES,
+        THREE_NARROW_TILES,
+        TWO_BLOCKS_A_STEP,
+        TWO_BLOCKS_ONE_DEEP,
+    ],
+    ids=[
+        "plain",
+        "swapped",
+        "narrow",
+        "two-column-tiles",
+        "three-narrow-tiles",
+        "two-blocks",
+        "two-blocks-one-deep",
+    ],
 )
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_gemm2_fp8_matches_its_spec(layout, config):
+    depth = 256 if config is TWO_BLOCKS_A_STEP else I
     x_q, x_s, q13, s13, q2, s2, offsets, pairs, weights, top_k, rows = gemm_problem(
-        True, layout, seed=1
+        True, layout, seed=1, intermediate=depth
     )
     a_q, a_s = expert_gemm_fp8.expert_up_fp8_spec(
         x_q, x_s, q13, s13, offsets, pairs, top_k=top_k, gated=True

@@ -1,10 +1,14 @@
 """The fp8 block-scale layer beside the bf16 layer: ``python -m ep_runtime.bench.fp8`` (one CUDA
-GPU, world size 1, ``torch_a2a`` + ``experts="triton"``, STANDARD, K = 8, balanced routing).
+GPU, world size 1, ``experts="triton"``, STANDARD, K = 8, balanced routing; ``--dispatcher``
+``torch_a2a`` (the default, as every earlier figure) or ``local``, the one ``"auto"`` takes at a
+world of one).
 
 Per point, in one run: weights generated in bf16 and quantized per 128×128 block; the fp8 layer
-(fp8 dispatch: rows packed as e4m3 + scales) on the quantized weights and the bf16 layer on the
+(fp8 dispatch: rows sent as e4m3 + scales) on the quantized weights and the bf16 layer on the
 same weights dequantized. Decode points (T = 128, capacity mode) are timed replayed as CUDA
-graphs (checked bitwise equal to eager), prefill (T = 4096, exact mode) eager. Printed: both
+graphs (checked bitwise equal to eager): one forward per replay (the figure includes the graph's
+launch latency) and, per forward, ten back to back in one graph (as a captured model's layers
+run); prefill (T = 4096, exact mode) eager. Printed: both
 times and their ratio, the fp8 layer against the fp8 twin (``experts="reference"``, the
 contract in plain torch) on a token sample, the per-token distance between the fp8 and the bf16
 layer, and the dispatch bytes of one packed row in each format.
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ep_runtime import EPMoE
-from ep_runtime.bench.layer import Point, build_layer, inputs, time_ms
+from ep_runtime.bench.layer import Point, add_layer_flags, build_layer, inputs, time_ms
 from ep_runtime.bench.timing import graph_replay_ms
 from ep_runtime.kernels.layout import RowFormat
 from ep_runtime.quantization import dequantize_weight_blocks, quantize_weight_blocks
@@ -34,6 +38,7 @@ POINTS = (
     Point("deepseek-v3-ep8-shard-prefill", 32, 4096, 7168, 2048, 8, "exact", "standard"),
 )
 SAMPLE = 64  # tokens checked against the twin
+GRAPH_FORWARDS = 10  # forwards in one graph for the in-graph time (a captured model's layers)
 
 
 @dataclass
@@ -42,7 +47,10 @@ class Fp8Row:
     bf16_ms: float
     fp8_ms: float
     ratio: float
-    timed: str  # "graph" or "eager"
+    timed: str  # "graph" (one forward per replay) or "eager"
+    bf16_ms_in_graph: float | None  # per forward, GRAPH_FORWARDS back to back in one graph
+    fp8_ms_in_graph: float | None
+    ratio_in_graph: float | None
     twin_passed: bool
     twin_max_rel_err: float
     distance_median: float  # per-token ‖fp8 − bf16‖ / ‖bf16‖ on the same dequantized weights
@@ -51,26 +59,31 @@ class Fp8Row:
     fp8_row_bytes: int
 
 
-def timed_forward(layer: EPMoE, x, ids, weights, graph: bool) -> tuple[torch.Tensor, float]:
-    """``(output, ms)``: median of CUDA-graph replays (checked equal to eager) or of eager."""
+def timed_forward(
+    layer: EPMoE, x, ids, weights, graph: bool
+) -> tuple[torch.Tensor, float, float | None]:
+    """``(output, ms, ms in graph)``: medians of CUDA-graph replays of one forward and of
+    ``GRAPH_FORWARDS`` (both checked equal to eager), or of eager forwards (and None)."""
     out = layer(x, ids, weights).clone()
     if not torch.equal(layer(x, ids, weights), out):
         raise AssertionError("two eager forwards differ")
     if not graph:
-        return out, time_ms(lambda: layer(x, ids, weights))
-    return out, graph_replay_ms(lambda: layer(x, ids, weights), out)
+        return out, time_ms(lambda: layer(x, ids, weights)), None
+    forward = lambda: layer(x, ids, weights)  # noqa: E731
+    return out, graph_replay_ms(forward, out), graph_replay_ms(forward, out, GRAPH_FORWARDS)
 
 
-def measure(point: Point, device: torch.device) -> Fp8Row:
+def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
+    """One point's row; ``layer_options`` (dispatcher, forward_graphs) build both layers."""
     w13, w2, x, ids, weights = inputs(point, device)
     q13, s13 = quantize_weight_blocks(w13)
     q2, s2 = quantize_weight_blocks(w2)
     del w13, w2
     graph = point.mode == "capacity"
-    fp8 = build_layer(point, device, experts="triton", quantization="fp8_block")
+    fp8 = build_layer(point, device, experts="triton", quantization="fp8_block", **layer_options)
     try:
         fp8.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
-        out_fp8, fp8_ms = timed_forward(fp8, x, ids, weights, graph)
+        out_fp8, fp8_ms, fp8_in_graph = timed_forward(fp8, x, ids, weights, graph)
     finally:
         fp8.close()
     sample = torch.arange(0, point.tokens, max(1, point.tokens // SAMPLE), device=device)
@@ -82,12 +95,12 @@ def measure(point: Point, device: torch.device) -> Fp8Row:
         twin.close()
     tolerance = tolerance_for(BF16, max(point.hidden, point.intermediate))
     comparison = compare_per_token(out_fp8[sample], ref.double(), tolerance)
-    bf16 = build_layer(point, device, experts="triton")
+    bf16 = build_layer(point, device, experts="triton", **layer_options)
     try:
         bf16.load_weights(
             dequantize_weight_blocks(q13, s13).to(BF16), dequantize_weight_blocks(q2, s2).to(BF16)
         )
-        out_bf16, bf16_ms = timed_forward(bf16, x, ids, weights, graph)
+        out_bf16, bf16_ms, bf16_in_graph = timed_forward(bf16, x, ids, weights, graph)
     finally:
         bf16.close()
     distance = (out_fp8.double() - out_bf16.double()).norm(dim=1) / out_bf16.double().norm(dim=1)
@@ -98,6 +111,9 @@ def measure(point: Point, device: torch.device) -> Fp8Row:
         fp8_ms,
         fp8_ms / bf16_ms,
         "graph" if graph else "eager",
+        bf16_in_graph,
+        fp8_in_graph,
+        None if fp8_in_graph is None else fp8_in_graph / bf16_in_graph,
         comparison.passed,
         comparison.max_relative_error,
         distance.median().item(),
@@ -109,21 +125,32 @@ def measure(point: Point, device: torch.device) -> Fp8Row:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
+    add_layer_flags(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda", 0)
-    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, dispatcher "
+        f"{args.dispatcher}, forward graphs {args.forward_graphs}"
+    )
+    options = {"dispatcher": args.dispatcher, "forward_graphs": args.forward_graphs == "on"}
     header = f"{'point':32} {'bf16 ms':>9} {'fp8 ms':>9} {'ratio':>6} {'timed':>6}"
-    print(header + "  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes bf16/fp8")
+    in_graph = f"in graph of {GRAPH_FORWARDS}: bf16/fp8 ms, ratio"
+    print(f"{header}  {in_graph:34}  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes")
     rows = []
     for point in POINTS:
-        row = measure(point, device)
+        row = measure(point, device, **options)
         rows.append(row)
+        graphed = (
+            f"{row.bf16_ms_in_graph:9.4f} {row.fp8_ms_in_graph:9.4f} {row.ratio_in_graph:6.3f}"
+            if row.ratio_in_graph is not None
+            else "-"
+        )
         print(
             f"{row.point:32} {row.bf16_ms:9.4f} {row.fp8_ms:9.4f} {row.ratio:6.3f} "
-            f"{row.timed:>6}  {'pass' if row.twin_passed else 'FAIL'} "
+            f"{row.timed:>6}  {graphed:34}  {'pass' if row.twin_passed else 'FAIL'} "
             f"{row.twin_max_rel_err:.2e}   {row.distance_median:.2e} / {row.distance_max:.2e}"
             f"     {row.bf16_row_bytes}/{row.fp8_row_bytes}"
         )

@@ -113,9 +113,10 @@ def candidates(bucket: Fraction) -> list[TileConfig]:
 
 
 def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
-    """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step), BLOCK_N dividing 128 (a
-    column tile lies in one weight block: one weight scale per k-step) and, for GEMM1,
-    BLOCK_N = 128 (its epilogue quantizes one 128-column group per tile row)."""
+    """The fp8 GEMMs' configs: BLOCK_K = 128 (one scale per k-step) or 256 (two k-steps per
+    loop iteration), BLOCK_N dividing 128 (a column tile lies in one weight block: one weight
+    scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one 128-column
+    group per tile row)."""
     decode = [
         TileConfig(16, 128, 128, 1, 4, 3, swap=True),
         TileConfig(16, 128, 128, 1, 4, 4, swap=True),
@@ -139,6 +140,12 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
         TileConfig(16, 64, 128, 1, 4, 6, swap=True),
         TileConfig(32, 128, 128, 1, 4, 5, swap=True),
         TileConfig(16, 128, 128, 1, 4, 6, swap=True, tiles_n=2),
+        # two 128-deep blocks per loop iteration: bf16's bytes per pipeline stage
+        TileConfig(16, 128, 256, 1, 4, 2, swap=True),
+        TileConfig(16, 128, 256, 1, 4, 3, swap=True),
+        TileConfig(16, 128, 256, 1, 8, 3, swap=True),
+        TileConfig(16, 64, 256, 1, 4, 3, swap=True),
+        TileConfig(16, 64, 256, 1, 4, 4, swap=True),
     ]
     middle = [
         TileConfig(32, 128, 128, 1, 4, 4, swap=True),
@@ -152,6 +159,17 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
         TileConfig(32, 128, 128, 1, 4, 4, swap=True, tiles_n=2),
         TileConfig(32, 128, 128, 1, 4, 4, tiles_n=2),
         TileConfig(64, 128, 128, 8, 4, 4, tiles_n=2),
+        # one row tile per expert where ~32 rows each (DSV3 T 128): 8 warps hold GEMM1's two
+        # fp32 accumulators and their k-step partial products without spilling
+        TileConfig(64, 128, 128, 1, 8, 4),
+        TileConfig(64, 128, 128, 1, 8, 5),
+        TileConfig(64, 128, 128, 1, 8, 3, swap=True),
+        TileConfig(64, 128, 128, 1, 8, 4, swap=True),
+        TileConfig(64, 64, 128, 1, 4, 4, swap=True),
+        TileConfig(64, 64, 128, 1, 4, 5),
+        TileConfig(64, 128, 256, 1, 8, 2),
+        TileConfig(32, 128, 256, 1, 4, 3, swap=True),
+        TileConfig(64, 128, 256, 8, 4, 3),
     ]
     prefill = [
         TileConfig(64, 128, 128, 8, 4, 3),
@@ -163,6 +181,9 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
         TileConfig(128, 64, 128, 8, 4, 4),
         TileConfig(64, 128, 128, 8, 8, 4),
         TileConfig(256, 128, 128, 8, 8, 3),
+        TileConfig(128, 128, 256, 8, 8, 2),
+        TileConfig(64, 128, 256, 8, 8, 2),
+        TileConfig(128, 128, 256, 8, 8, 3),
     ]
     chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill
     return [c for c in chosen if gemm == "down" or c.block_n == 128]

@@ -4,11 +4,12 @@ The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 ke
 (``kernels/expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
 
 * ``expert_up_fp8``: ``q(x)`` (e4m3 rows ``[R, H]`` and fp32 scales ``[R, H/128]``) against
-  e4m3 ``w13`` with one fp32 ``scale_inv`` per 128×128 block. BLOCK_K = 128, so each k-step's
-  fp32 partial product is scaled once by its row-group scale and its weight block's scale
-  before it joins the fp32 accumulator. The epilogue applies the activation in fp32 and
-  quantizes the result per row and 128 columns (BLOCK_N = 128: a tile is one group): it writes
-  ``q(act) [P, I]`` e4m3 and its scales ``[P, I/128]``.
+  e4m3 ``w13`` with one fp32 ``scale_inv`` per 128×128 block. Each 128-deep k-step's fp32
+  partial product is scaled once by its row-group scale and its weight block's scale before it
+  joins the fp32 accumulator; a config's ``block_k`` of 256 runs two such steps per loop
+  iteration (twice the bytes per pipeline stage, half the iterations). The epilogue applies
+  the activation in fp32 and quantizes the result per row and 128 columns (BLOCK_N = 128: a
+  tile is one group): it writes ``q(act) [P, I]`` e4m3 and its scales ``[P, I/128]``.
 * ``expert_down_fp8``: ``q(act)`` against e4m3 ``w2`` the same way; router weight in the
   epilogue, one rounding to the output dtype; EXPANDED padding rows zero.
 
@@ -194,6 +195,7 @@ def _up_fp8_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,  # 128: one quantization group per tile row
     BK: tl.constexpr,  # 128: one scale per k-step
+    KU: tl.constexpr,  # k-steps per loop iteration (their loads share a pipeline stage)
     TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
@@ -218,24 +220,25 @@ def _up_fp8_kernel(
         p64 = p.to(tl.int64)
         o_rows = out + p64[:, None] * stride_om
         s_rows = outs + p64 * stride_osm
-        steps = depth // BK
+        steps = depth // (BK * KU)
         up_blocks = (width // BK) * stride_wsn  # the up half's first weight block row
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            _cols, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
-                a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
-                k_step, width, BN, BK,
-            )  # fmt: skip
-            g_step = a_scale * tl.load(g_scale)
-            acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
-            if GATED:
-                u = tl.load(g_ptrs + width * stride_wn, mask=ok_n[None, :], other=0.0)
-                u_step = a_scale * tl.load(g_scale + up_blocks)
-                acc_u = _scaled_step(acc_u, a, u, u_step, SWAP)
+            tile_n, k_outer, flush = _column_step(i, steps, column_group, count, TILES_N)
+            for sub in tl.static_range(KU):
+                _cols, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
+                    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
+                    k_outer * KU + sub, width, BN, BK,
+                )  # fmt: skip
+                g_step = a_scale * tl.load(g_scale)
+                acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
+                if GATED:
+                    u = tl.load(g_ptrs + width * stride_wn, mask=ok_n[None, :], other=0.0)
+                    u_step = a_scale * tl.load(g_scale + up_blocks)
+                    acc_u = _scaled_step(acc_u, a, u, u_step, SWAP)
             if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
                 if flush:
                     _store_quantized_tile(
@@ -281,6 +284,7 @@ def _down_fp8_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,  # 128
+    KU: tl.constexpr,  # k-steps per loop iteration
     TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
@@ -304,17 +308,18 @@ def _down_fp8_kernel(
         a_scales = acts + p64 * stride_asm
         w_expert = w + e64 * stride_we + kk[:, None]
         s_expert = ws + e64 * stride_wse
-        steps = depth // BK
+        steps = depth // (BK * KU)
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
         count = _group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
-            n, ok_n, a, a_scale, _ptrs, b, b_block = _step_operands(
-                a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
-                k_step, width, BN, BK,
-            )  # fmt: skip
-            acc = _scaled_step(acc, a, b, a_scale * tl.load(b_block), SWAP)
+            tile_n, k_outer, flush = _column_step(i, steps, column_group, count, TILES_N)
+            for sub in tl.static_range(KU):
+                n, ok_n, a, a_scale, _ptrs, b, b_block = _step_operands(
+                    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
+                    k_outer * KU + sub, width, BN, BK,
+                )  # fmt: skip
+                acc = _scaled_step(acc, a, b, a_scale * tl.load(b_block), SWAP)
             acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
         last_tile = column_group * TILES_N + count - 1
         store_last_down_tile(out, o_rows, acc, weight, last_tile, width, ok_m, BN, SWAP)
@@ -328,14 +333,17 @@ def _down_fp8_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _options(config: TileConfig, num_local: int) -> dict:
-    assert config.block_k == BLOCK, "fp8 block scales need BLOCK_K = 128"
+def _options(config: TileConfig, num_local: int, depth: int) -> dict:
+    """Launch options; a ``block_k`` of several 128-deep blocks (one scale each) is that many
+    k-steps per loop iteration where it divides ``depth``, else one."""
+    assert config.block_k % BLOCK == 0, "fp8 block scales need BLOCK_K a multiple of 128"
     assert BLOCK % config.block_n == 0, "a column tile lies in one weight block: BLOCK_N | 128"
     return {
         "SWAP": config.swap,
         "BM": config.block_m,
         "BN": config.block_n,
-        "BK": config.block_k,
+        "BK": BLOCK,
+        "KU": config.block_k // BLOCK if depth % config.block_k == 0 else 1,
         "TILES_N": config.tiles_n,
         "GROUP_M": config.group_m,
         "LP": pow2(num_local),
@@ -389,7 +397,7 @@ def expert_up_fp8(
         tiles_m,
         GATED=gated,
         SORTED=pairs is not None,
-        **_options(config, num_local),
+        **_options(config, num_local, depth),
     )
     return out_q, out_s
 
@@ -438,6 +446,6 @@ def expert_down_fp8(
         out.size(0),
         SORTED=pairs is not None,
         ZERO_PAD=pairs is None,
-        **_options(config, num_local),
+        **_options(config, num_local, depth),
     )
     return out

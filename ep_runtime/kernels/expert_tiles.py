@@ -69,7 +69,7 @@ def _pow2(n: int) -> int:
 
 def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool, fp8: bool = False) -> str:
     """The table key; the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``) have their own
-    entries (prefix ``fp8_``): other operand widths, BLOCK_K fixed at 128."""
+    entries (prefix ``fp8_``): other operand widths, BLOCK_K a multiple of 128."""
     suffix = "_gated" if gated and gemm == "up" else ""
     prefix = "fp8_" if fp8 else ""
     return f"{prefix}{gemm}_L{num_local}_N{n}_K{k}{suffix}"
@@ -118,8 +118,9 @@ def heuristic(gemm: str, bucket: Fraction, n: int, k: int, interpret: bool) -> T
 
 def heuristic_fp8(gemm: str, bucket: Fraction, interpret: bool) -> TileConfig:
     """A config of the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``): BLOCK_K = 128
-    (one scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per
-    tile row). Decode swaps the tile (weight rows on the matrix unit's M side)."""
+    (one scale per k-step; the tuner also tries 256, two steps per loop iteration) and, for
+    GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per tile row). Decode swaps the
+    tile (weight rows on the matrix unit's M side)."""
     if interpret:
         return TileConfig(16, 128, 128, num_stages=1)
     narrow = 64 if gemm == "down" else 128  # GEMM2's output tiles may be narrower
