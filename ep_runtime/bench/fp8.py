@@ -74,7 +74,10 @@ def timed_forward(
 
 
 def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
-    """One point's row; ``layer_options`` (dispatcher, forward_graphs) build both layers."""
+    """One point's row; ``layer_options`` (dispatcher, forward_graphs) build both layers.
+    Exact mode checks the ids on the device (as the sweep and the transformers blocks do), so
+    no host read ends a forward."""
+    layer_options = {**layer_options, "device_checks": point.mode == "exact"}
     w13, w2, x, ids, weights = inputs(point, device)
     q13, s13 = quantize_weight_blocks(w13)
     q2, s2 = quantize_weight_blocks(w2)
