@@ -184,6 +184,11 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
         TileConfig(128, 128, 256, 8, 8, 2),
         TileConfig(64, 128, 256, 8, 8, 2),
         TileConfig(128, 128, 256, 8, 8, 3),
+        # 16 warps: GEMM1's four fp32 tiles of 128×128 (two accumulators, two partial
+        # products) in 128 registers a thread
+        TileConfig(128, 128, 128, 8, 16, 3),
+        TileConfig(128, 128, 128, 8, 16, 4),
+        TileConfig(256, 128, 128, 8, 16, 3),
     ]
     chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill
     return [c for c in chosen if gemm == "down" or c.block_n == 128]
