@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from ep_runtime.bench.layer import (
     inputs,
     time_ms,
 )
-from ep_runtime.bench.timing import graph_replay_ms
+from ep_runtime.bench.timing import back_to_back_ms, graph_replay_ms
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
 BF16 = torch.bfloat16
@@ -105,16 +104,7 @@ def measure_layer(
         if not torch.equal(again, out):
             raise AssertionError(f"{point.name} {experts}: two eager forwards differ")
         eager_ms = time_ms(lambda: layer(x, ids, weights))
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        host_start = time.perf_counter()
-        for _ in range(BACK_TO_BACK):
-            layer(x, ids, weights)
-        host_ms = (time.perf_counter() - host_start) * 1e3 / BACK_TO_BACK
-        end.record()
-        end.synchronize()
-        back_to_back_ms = start.elapsed_time(end) / BACK_TO_BACK
+        back_to_back, host_ms = back_to_back_ms(lambda: layer(x, ids, weights), BACK_TO_BACK)
         graph_ms = in_graph_ms = None
         if point.mode == "capacity":
             graph_ms = graph_replay_ms(lambda: layer(x, ids, weights), out)
@@ -127,7 +117,7 @@ def measure_layer(
         "passed": comparison.passed,
         "max_rel_err": comparison.max_relative_error,
         "eager_ms": eager_ms,
-        "back_to_back_ms": back_to_back_ms,
+        "back_to_back_ms": back_to_back,
         "host_ms": host_ms,
         "graph_ms": graph_ms,
         "in_graph_ms": in_graph_ms,

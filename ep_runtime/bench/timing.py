@@ -109,6 +109,22 @@ def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
     return statistics.median(times)
 
 
+def back_to_back_ms(work: Callable[[], object], calls: int = 20) -> tuple[float, float]:
+    """``(device ms, host ms)`` per call of ``calls`` calls of ``work`` issued without a sync
+    between them, as a model's layers are: the device figure spans the first launch to the last
+    kernel's end (events), the host figure is the time to issue one."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    host_start = time.perf_counter()
+    for _ in range(calls):
+        work()
+    host_ms = (time.perf_counter() - host_start) * 1e3 / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls, host_ms
+
+
 def device_ms(work: Callable[[], object], iters: int = 10, flush_bytes: int = 256 << 20) -> float:
     """Device time of one ``work()`` with a cold L2: a CUDA graph of several calls, each after
     a ``flush_bytes`` write that evicts L2 (so the weights come from HBM, as a model's next
