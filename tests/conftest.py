@@ -20,6 +20,8 @@ os.environ.setdefault("EP_RUNTIME_FLASHINFER_CUTLASS_JIT", "0")
 # (tl.sum, tl.cumsum, …) at import, as interpreted or compiled functions.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the kernel tests' devices (the ``device`` fixture): no GPU, no cuda
+KERNEL_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 # Skips this machine may show, by reason. Any other skip fails the session: a broken probe that
@@ -52,6 +54,39 @@ if not os.environ.get("CI"):
     EXPECTED_SKIPS_WITH_CUDA.append(r"transformers is not installed \(the 'hf' extra\)")
 
 _skips: list[tuple[str, str]] = []
+
+
+@pytest.fixture(params=KERNEL_DEVICES)
+def device(request) -> torch.device:
+    """The device a kernel test runs on: CUDA (compiled) where there is one, else the CPU
+    (Triton's interpreter)."""
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def fresh_self_check_results(monkeypatch) -> None:
+    """The experts self-check's cache of verdicts starts empty (tests/test_flashinfer_*.py)."""
+    from ep_runtime.experts import self_check
+
+    monkeypatch.setattr(self_check, "_results", {})
+
+
+@pytest.fixture
+def skip_self_check(monkeypatch) -> None:
+    from ep_runtime.experts import self_check
+
+    monkeypatch.setenv(self_check.SKIP_ENV, "1")
+
+
+@pytest.fixture
+def probes_pass(monkeypatch) -> None:
+    """FlashInfer's availability probes that read the disk or a CUDA device answer "present"
+    (TRTLLM cubins, CUTLASS module), so ``unavailable_reason`` reaches the self-check on CPU."""
+    from ep_runtime.experts import flashinfer_trtllm
+    from ep_runtime.experts.flashinfer_cutlass import FlashInferCutlassExperts
+
+    monkeypatch.setattr(flashinfer_trtllm, "trtllm_cubins_missing_reason", lambda: None)
+    monkeypatch.setattr(FlashInferCutlassExperts, "_module_missing_reason", lambda setup: None)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ pytest.importorskip("flashinfer", reason="flashinfer is not installed (the `gpu`
 from flashinfer.fused_moe import prepare as fused_moe_prepare
 from flashinfer.fused_moe.api import QuantConfig, QuantFormat, SwiGLU
 
-from ep_runtime.experts import EXPERTS, base, self_check
+from ep_runtime.experts import EXPERTS, base
 from ep_runtime.experts.flashinfer_trtllm_fp8 import FlashInferTrtllmFp8Experts
 from ep_runtime.experts.self_check import FP8_CHECK_SHAPE, check_setup, make_check_problem
 from ep_runtime.quantization import (
@@ -30,7 +30,7 @@ from ep_runtime.quantization import (
     quantize_weight_blocks,
 )
 from ep_runtime.types import Activation, TopkLayout
-from tests.test_flashinfer_experts import (
+from tests.flashinfer_stand_ins import (
     RecordingTrtllmKernel,
     assert_routing_arguments,
     install_trtllm,
@@ -41,9 +41,7 @@ DEEPSEEK_FP8 = QuantConfig(weight=QuantFormat.DeepSeekFp8, activation=QuantForma
 MAJOR_K, DEEPSEEK_FP8_TYPE, SWIGLU, TOPK_ROUTING = 0, 1, 3, 5  # FlashInfer's enum values
 
 
-@pytest.fixture(autouse=True)
-def fresh_self_check_results(monkeypatch):
-    monkeypatch.setattr(self_check, "_results", {})
+pytestmark = pytest.mark.usefixtures("fresh_self_check_results")
 
 
 def fp8_setup(**shape):
@@ -242,13 +240,6 @@ class EmulatedFp8Kernel(RecordingTrtllmKernel):
             out.index_add_(0, rows, weights[rows, slots].unsqueeze(1) * y)
         kw["output"].copy_(out)
         return kw["output"]
-
-
-@pytest.fixture
-def probes_pass(monkeypatch):
-    from ep_runtime.experts import flashinfer_trtllm
-
-    monkeypatch.setattr(flashinfer_trtllm, "trtllm_cubins_missing_reason", lambda: None)
 
 
 def test_self_check_refuses_a_wrong_kernel_with_numbers(monkeypatch, probes_pass):

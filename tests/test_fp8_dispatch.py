@@ -17,10 +17,9 @@ from ep_runtime.kernels.layout import ChunkLayout, RowFormat, chunk_starts, head
 from ep_runtime.kernels.wire import HEADER_INTS, Field, HeaderFields
 from ep_runtime.quantization import FP8_DTYPE, dequantize_weight_blocks, quantize_activations
 from tests import memory_transport
+from tests.kernel_checks import BF16, FP32, assert_bitwise, generator, new_control, routing_ids
 from tests.test_fp8 import fp8_inputs
-from tests.test_kernels import DEVICES, assert_bitwise, generator, new_control, routing_ids
 
-BF16, FP32 = torch.bfloat16, torch.float32
 PACK_CASES = [
     # T, K, max_k, E, W, H, dtype, capacity (None: exact), poison, strided x
     (0, 2, 3, 4, 2, 128, FP32, None, False, False),
@@ -28,11 +27,6 @@ PACK_CASES = [
     (12, 3, 3, 8, 2, 384, BF16, None, False, True),
     (5, 2, 2, 4, 1, 2304, BF16, 8, True, False),  # H over one program's block
 ]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    return torch.device(request.param)
 
 
 def packed(device, T, K, max_k, E, W, H, dtype, capacity, poison, strided):

@@ -16,7 +16,8 @@ No atomics and a fixed accumulation order per config: two runs are bitwise equal
 static (a bound on the tiles; tiles past the real count exit or zero padding), so nothing is
 read on the host and a CUDA graph can capture it. Under ``TRITON_INTERPRET=1`` the kernels run
 on CPU tensors (the interpreter's bf16 ``dot`` is wrong, so there operands go to fp32 first:
-exact, since bf16 → fp32 is).
+exact, since bf16 → fp32 is). The building blocks the fp8 GEMMs share with these (tile and row
+bookkeeping, the loop's steps, epilogues, grid bounds): ``kernels/expert_tile_parts.py``.
 """
 
 from __future__ import annotations
@@ -24,17 +25,30 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 import triton.language as tl
 
+from ep_runtime.kernels.expert_tile_parts import (
+    column_groups,
+    column_step,
+    down_launch,
+    expert_tile,
+    flush_down_tile,
+    group_tiles,
+    row_sources,
+    row_targets,
+    row_tiles,
+    store_last_down_tile,
+    store_up_tile,
+    tile_step,
+    zero_padding_tiles,
+)
 from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32, kernel, pow2
-from ep_runtime.kernels.triton_common import rounded as _rounded
+from ep_runtime.kernels.triton_common import kernel, pow2
 
 # --------------------------------------------------------------------------- torch spec
 
 
-def _activate(h: torch.Tensor, gated: bool) -> torch.Tensor:
+def activation_spec(h: torch.Tensor, gated: bool) -> torch.Tensor:
     """fp32 ``silu(gate)·up`` (``h = [gate | up]``) or ``relu(h)²``."""
     if gated:
         half = h.size(1) // 2
@@ -42,7 +56,7 @@ def _activate(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return torch.relu(h).square()
 
 
-def _groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+def nonempty_groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     """(expert, first row, end row) of every non-empty group (reads offsets on the host)."""
     bounds = offsets.tolist()
     return [(e, s, t) for e, (s, t) in enumerate(itertools.pairwise(bounds)) if t > s]
@@ -61,12 +75,12 @@ def expert_up_spec(
     num_grouped = x.size(0) if pairs is None else pairs.numel()
     width = w13.size(1) // 2 if gated else w13.size(1)
     out = torch.zeros(num_grouped, width, dtype=x.dtype, device=x.device)
-    for expert, start, end in _groups(offsets):
+    for expert, start, end in nonempty_groups(offsets):
         source = torch.arange(start, end, device=x.device)
         if pairs is not None:
             source = pairs[start:end].long() // top_k
         h = x[source].float() @ w13[expert].float().T
-        out[start:end] = _activate(h, gated).to(x.dtype)
+        out[start:end] = activation_spec(h, gated).to(x.dtype)
     return out
 
 
@@ -81,7 +95,7 @@ def expert_down_spec(
 ) -> torch.Tensor:
     """``[num_out, H]``: each grouped row's weighted result at its row; every other row zero."""
     out = torch.zeros(num_out, w2.size(1), dtype=act.dtype, device=act.device)
-    for expert, start, end in _groups(offsets):
+    for expert, start, end in nonempty_groups(offsets):
         dest = torch.arange(start, end, device=act.device)
         if pairs is not None:
             dest = pairs[start:end].long()
@@ -92,201 +106,6 @@ def expert_down_spec(
 
 
 # --------------------------------------------------------------------------- Triton kernels
-
-# tl.sum's and tl.cumsum's combine function: tl.reduce / tl.associative_scan with it compile the
-# same, and under the interpreter skip the costly call of a nested jit function
-ADD = tl.standard._sum_combine
-
-
-@triton.jit
-def _expert_tile(
-    pid,
-    offsets,  # [L + 1] int32
-    num_local,
-    tiles_m,  # the grid's bound on row tiles
-    num_n,  # column tiles
-    BM: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    LP: tl.constexpr,  # L padded to a power of two
-):
-    """Program ``pid`` → (row tile, column tile, expert, first row tile of the expert, first
-    row, end row). Row tiles are numbered expert by expert; groups of GROUP_M row tiles share
-    column tiles so their weight tiles meet in L2. Past the real tiles, expert is ≥ L and the
-    first row tile is the real tile count. (Few ``tl.sum``-like calls: each is slow under the
-    interpreter.)"""
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % in_group) % size_m
-    tile_n = (pid % in_group) // size_m
-    e = tl.arange(0, LP)
-    present = e < num_local
-    starts = tl.load(offsets + e, mask=present, other=0)
-    ends = tl.load(offsets + e + 1, mask=present, other=0)
-    tiles = tl.where(present, (ends - starts + BM - 1) // BM, 0)
-    expert = tl.reduce((tl.associative_scan(tiles, 0, ADD) <= tile_m).to(tl.int32), 0, ADD)
-    first_tile = tl.reduce(tl.where(e < expert, tiles, 0), 0, ADD)
-    row_start = 0
-    row_end = 0
-    if expert < num_local:
-        row_start = tl.load(offsets + expert) + (tile_m - first_tile) * BM
-        row_end = tl.load(offsets + expert + 1)
-    return tile_m, tile_n, expert, first_tile, row_start, row_end
-
-
-@triton.jit
-def _row_sources(pairs, p, ok_m, top_k, SORTED: tl.constexpr):
-    """int64 ``[BM]`` rows of A that grouped rows ``p`` read: ``pairs[p] // top_k`` (the sorted
-    pairs of STANDARD), or ``p`` itself (EXPANDED: rows already grouped)."""
-    if SORTED:  # noqa: SIM108 (a constexpr branch: pairs is read only when sorted)
-        source = tl.load(pairs + p, mask=ok_m, other=0) // top_k
-    else:
-        source = p
-    return source.to(tl.int64)
-
-
-@triton.jit
-def _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED: tl.constexpr):
-    """``(dest [BM] int64, router weight [BM] fp32)`` of grouped rows ``p``: the pair's row of
-    the per-pair output and its slot's weight (SORTED), or the row itself and its one weight."""
-    if SORTED:
-        dest = tl.load(pairs + p, mask=ok_m, other=0)
-        row = dest // top_k
-        slot = dest % top_k
-    else:
-        dest = p
-        row = p
-        slot = 0
-    weight = tl.load(weights + row * stride_rr + slot * stride_rk, mask=ok_m, other=0.0)
-    return dest.to(tl.int64), weight.to(tl.float32)
-
-
-@triton.jit
-def zero_padding_tiles(
-    out,
-    stride_om,
-    offsets,
-    num_local,
-    tile_m,
-    first_tile,
-    num_rows,
-    column_group,
-    width,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    TILES_N: tl.constexpr,
-):
-    """A spare program (past the real ones) zeroes EXPANDED padding tile ``tile_m - first_tile``
-    in its column tiles: rows from ``offsets[L]`` on, below ``num_rows``."""
-    p = tl.load(offsets + num_local) + (tile_m - first_tile) * BM + tl.arange(0, BM)
-    o_rows = out + p.to(tl.int64)[:, None] * stride_om
-    zero = tl.zeros((BM, BN), dtype=out.dtype.element_ty)
-    for j in tl.static_range(TILES_N):
-        n = (column_group * TILES_N + j) * BN + tl.arange(0, BN)
-        tl.store(o_rows + n[None, :], zero, mask=(p < num_rows)[:, None] & (n < width)[None, :])
-
-
-@triton.jit
-def _group_tiles(column_group, num_n, TILES_N: tl.constexpr):
-    """The column tiles of a program's group that lie inside the columns (the last group of a
-    row may be partial: its loop stops at the last real tile)."""
-    if TILES_N == 1:  # noqa: SIM108 (a constexpr branch: one tile is a compile-time count)
-        count = 1
-    else:
-        count = tl.minimum(TILES_N, num_n - column_group * TILES_N)
-    return count
-
-
-@triton.jit
-def _column_step(i, steps, column_group, count, TILES_N: tl.constexpr):
-    """Step ``i`` of a program's one loop over its ``count`` column tiles × ``steps`` k-steps
-    → (column tile, k-step, whether a tile before the program's last ends here). One loop, not
-    two nested, so the next tile's weight loads are in flight while a tile's epilogue runs, and
-    the program's set-up (its expert, rows and their sources) is paid once for all its tiles.
-    With one tile it is the plain k loop; the last tile's epilogue follows the loop."""
-    if TILES_N == 1:
-        tile_n = column_group
-        k_step = i
-        flush = False
-    else:
-        j = i // steps
-        k_step = i - j * steps
-        tile_n = column_group * TILES_N + j
-        flush = (k_step == steps - 1) & (j < count - 1)
-    return tile_n, k_step, flush
-
-
-@triton.jit
-def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr):
-    """GEMM2's epilogue of one tile: router weight, one rounding, the rows ``o_rows`` point at."""
-    result = untransposed(acc, SWAP) * weight[:, None]
-    mask = ok_m[:, None] & ok_n[None, :]
-    tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def flush_down_tile(
-    acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP: tl.constexpr, TILES_N: tl.constexpr
-):
-    """Inside the loop: a finished tile before the program's last is stored and its
-    accumulator restarted (with one tile per program nothing is compiled here)."""
-    if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
-        if flush:
-            store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP)
-            acc = tl.zeros(acc.shape, dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def store_last_down_tile(
-    out, o_rows, acc, weight, last_tile, width, ok_m, BN: tl.constexpr, SWAP: tl.constexpr
-):
-    """After the loop: the program's last column tile."""
-    n = last_tile * BN + tl.arange(0, BN)
-    store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
-
-
-@triton.jit
-def _store_up_tile(
-    out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED: tl.constexpr, SWAP: tl.constexpr
-):
-    """GEMM1's epilogue of one tile: the activation in fp32, one rounding."""
-    result = activated(untransposed(acc_g, SWAP), untransposed(acc_u, SWAP), GATED)
-    mask = ok_m[:, None] & ok_n[None, :]
-    tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def activated(acc_g, acc_u, GATED: tl.constexpr):
-    """fp32 ``silu(gate)·up`` (GATED) or ``relu(h)²`` of the GEMM1 accumulators."""
-    if GATED:
-        result = acc_g / (1.0 + exp_fp32(-acc_g)) * acc_u
-    else:
-        relu = tl.where(acc_g < 0.0, 0.0, acc_g)
-        result = relu * relu
-    return result
-
-
-@triton.jit
-def tile_step(acc, a, b, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc += a · b`` for one k-step (SWAP: the transposed tile ``bᵀ·aᵀ``); under the
-    interpreter the operands go to fp32 first (its bf16 ``dot`` is wrong; bf16 → fp32 is exact)."""
-    if INTERPRET:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if SWAP:
-        acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def untransposed(acc, SWAP: tl.constexpr):
-    """The ``[BM, BN]`` tile of an accumulator kept as ``[BN, BM]`` when SWAP."""
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
 
 
 @kernel(do_not_specialize=["tiles_m"])  # it varies with the rows: one compile serves all
@@ -322,14 +141,14 @@ def _up_kernel(
     """Program (row tile, TILES_N column tiles): A rows gathered through ``pairs``, fp32
     epilogue per column tile."""
     num_n = (width + BN - 1) // BN
-    _, column_group, expert, _, row_start, row_end = _expert_tile(
+    _, column_group, expert, _, row_start, row_end = expert_tile(
         tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
         GROUP_M, LP,
     )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        source = _row_sources(pairs, p, ok_m, top_k, SORTED)
+        source = row_sources(pairs, p, ok_m, top_k, SORTED)
         kk = tl.arange(0, BK)
         a_rows = x + source[:, None] * stride_xm + kk[None, :] * stride_xk
         w_expert = w + expert.to(tl.int64) * stride_we + kk[:, None] * stride_wk
@@ -338,9 +157,9 @@ def _up_kernel(
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        count = _group_tiles(column_group, num_n, TILES_N)
+        count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
+            tile_n, k_step, flush = column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
             if EVEN_K:
@@ -357,11 +176,11 @@ def _up_kernel(
                 acc_u = tile_step(acc_u, a, u, SWAP, PRECISION)
             if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
                 if flush:
-                    _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED, SWAP)
+                    store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED, SWAP)
                     acc_g = tl.zeros(shape, dtype=tl.float32)
                     acc_u = tl.zeros(shape, dtype=tl.float32)
         n = (column_group * TILES_N + count - 1) * BN + tl.arange(0, BN)
-        _store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, n < width, GATED, SWAP)
+        store_up_tile(out, o_rows, acc_g, acc_u, n, ok_m, n < width, GATED, SWAP)
 
 
 @kernel(do_not_specialize=["tiles_m", "num_rows"])
@@ -401,14 +220,14 @@ def _down_kernel(
     epilogue. A program past the real ones zeroes padding tile ``tile_m - total`` (ZERO_PAD):
     the grid bound leaves at least as many spare tiles as padding tiles."""
     num_n = (width + BN - 1) // BN
-    tile_m, column_group, expert, first_tile, row_start, row_end = _expert_tile(
+    tile_m, column_group, expert, first_tile, row_start, row_end = expert_tile(
         tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
         GROUP_M, LP,
     )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
+        dest, weight = row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
         o_rows = out + dest[:, None] * stride_om
         kk = tl.arange(0, BK)
         a_rows = act + p.to(tl.int64)[:, None] * stride_am + kk[None, :]
@@ -416,9 +235,9 @@ def _down_kernel(
         steps = (depth + BK - 1) // BK
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        count = _group_tiles(column_group, num_n, TILES_N)
+        count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_step, flush = _column_step(i, steps, column_group, count, TILES_N)
+            tile_n, k_step, flush = column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
             if EVEN_K:
@@ -441,36 +260,6 @@ def _down_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-
-
-def down_launch(
-    num_grouped: int,
-    num_local: int,
-    width: int,
-    pairs: torch.Tensor | None,
-    out: torch.Tensor,
-    config: TileConfig,
-) -> tuple[tuple[int], int] | None:
-    """``(grid, tiles_m)`` of a GEMM2 launch (bf16 or fp8), or None when there is nothing to
-    compute (no rows or no columns: EXPANDED's output, every row padding, is zeroed here)."""
-    if num_grouped == 0 or width == 0:
-        if pairs is None:
-            out.zero_()
-        return None
-    tiles_m = row_tiles(num_grouped, num_local, config.block_m)
-    return (tiles_m * column_groups(width, config),), tiles_m
-
-
-def column_groups(width: int, config: TileConfig) -> int:
-    """The grid's programs per row tile: ``config.tiles_n`` column tiles each."""
-    return cdiv(cdiv(width, config.block_n), config.tiles_n)
-
-
-def row_tiles(num_grouped: int, num_local: int, block_m: int) -> int:
-    """Bound on the row tiles of ``num_grouped`` rows in ``num_local`` groups: each group adds
-    at most one partial tile, and every tile holds at least one row. It also leaves at least as
-    many spare tiles as there are padding tiles (what ZERO_PAD needs)."""
-    return min(cdiv(num_grouped, block_m) + num_local, num_grouped)
 
 
 def _launch_options(config: TileConfig, num_local: int, depth: int, dtype: torch.dtype) -> dict:

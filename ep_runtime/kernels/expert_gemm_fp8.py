@@ -22,18 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_runtime.kernels.expert_gemm import (
-    _activate,
-    _column_step,
-    _expert_tile,
-    _group_tiles,
-    _groups,
-    _row_sources,
-    _row_targets,
+from ep_runtime.kernels.expert_gemm import activation_spec, nonempty_groups
+from ep_runtime.kernels.expert_tile_parts import (
     activated,
     column_groups,
+    column_step,
     down_launch,
+    expert_tile,
     flush_down_tile,
+    group_tiles,
+    row_sources,
+    row_targets,
     row_tiles,
     store_last_down_tile,
     untransposed,
@@ -67,13 +66,13 @@ def expert_up_fp8_spec(
     num_grouped = x_q.size(0) if pairs is None else pairs.numel()
     width = w13.size(1) // 2 if gated else w13.size(1)
     act = torch.zeros(num_grouped, width, dtype=torch.float32, device=x_q.device)
-    for expert, start, end in _groups(offsets):
+    for expert, start, end in nonempty_groups(offsets):
         source = torch.arange(start, end, device=x_q.device)
         if pairs is not None:
             source = pairs[start:end].long() // top_k
         rows = dequantize_activations(x_q[source], x_s[source])
         h = rows @ dequantize_weight_blocks(w13[expert], s13[expert]).T
-        act[start:end] = _activate(h, gated)
+        act[start:end] = activation_spec(h, gated)
     return quantize_activations(act)
 
 
@@ -91,7 +90,7 @@ def expert_down_fp8_spec(
 ) -> torch.Tensor:
     """``[num_out, H]`` in ``dtype``: each grouped row's weighted result at its row, else 0."""
     out = torch.zeros(num_out, w2.size(1), dtype=dtype, device=a_q.device)
-    for expert, start, end in _groups(offsets):
+    for expert, start, end in nonempty_groups(offsets):
         dest = torch.arange(start, end, device=a_q.device)
         if pairs is not None:
             dest = pairs[start:end].long()
@@ -203,14 +202,14 @@ def _up_fp8_kernel(
     """Program (row tile, TILES_N column tiles): q(x) rows gathered through ``pairs``, block
     scales per k-step, activation and quantization of each tile's result in its epilogue."""
     num_n = width // BN
-    _, column_group, expert, _, row_start, row_end = _expert_tile(
+    _, column_group, expert, _, row_start, row_end = expert_tile(
         tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
         GROUP_M, LP,
     )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        source = _row_sources(pairs, p, ok_m, top_k, SORTED)
+        source = row_sources(pairs, p, ok_m, top_k, SORTED)
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
         a_rows = x + source[:, None] * stride_xm + kk[None, :]
@@ -225,9 +224,9 @@ def _up_fp8_kernel(
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
-        count = _group_tiles(column_group, num_n, TILES_N)
+        count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_outer, flush = _column_step(i, steps, column_group, count, TILES_N)
+            tile_n, k_outer, flush = column_step(i, steps, column_group, count, TILES_N)
             for sub in tl.static_range(KU):
                 _cols, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
                     a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
@@ -292,14 +291,14 @@ def _down_fp8_kernel(
     """Program (row tile, TILES_N column tiles): block scales per k-step, router weight and one
     rounding in each tile's epilogue; spare programs zero EXPANDED padding (as the bf16 kernel)."""
     num_n = (width + BN - 1) // BN
-    tile_m, column_group, expert, first_tile, row_start, row_end = _expert_tile(
+    tile_m, column_group, expert, first_tile, row_start, row_end = expert_tile(
         tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
         GROUP_M, LP,
     )  # fmt: skip
     if expert < num_local:
         p = row_start + tl.arange(0, BM)
         ok_m = p < row_end
-        dest, weight = _row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
+        dest, weight = row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED)
         o_rows = out + dest[:, None] * stride_om
         kk = tl.arange(0, BK)
         e64 = expert.to(tl.int64)
@@ -311,9 +310,9 @@ def _down_fp8_kernel(
         steps = depth // (BK * KU)
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc = tl.zeros(shape, dtype=tl.float32)
-        count = _group_tiles(column_group, num_n, TILES_N)
+        count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
-            tile_n, k_outer, flush = _column_step(i, steps, column_group, count, TILES_N)
+            tile_n, k_outer, flush = column_step(i, steps, column_group, count, TILES_N)
             for sub in tl.static_range(KU):
                 n, ok_n, a, a_scale, _ptrs, b, b_block = _step_operands(
                     a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,

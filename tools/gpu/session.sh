@@ -34,7 +34,7 @@ if [[ "$part" == check ]]; then
   section "Triton kernels: tests on CUDA (odd shapes, model shapes)"
   xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)  # compiling dominates: spread it
   timeout 200 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_kernels.py \
-    tests/test_kernels_at_model_shapes.py
+    tests/test_kernels_route.py tests/test_kernels_layer.py tests/test_kernels_at_model_shapes.py
   echo "kernel tests exit $?"
   section "Triton kernels: per-op timings, kernels per forward"
   timeout 200 python3 -m ep_runtime.bench.kernels --json "$OUT/kernels.json"
