@@ -12,7 +12,7 @@ a backend which cannot run is refused at once (no download, no JIT build, no han
   backend that was not refused and matches ``reference_moe``.
 
 Every test skips without CUDA (CPU CI: tests/test_deepep_adapter.py and
-tests/test_flashinfer_experts.py check the same refusals with the probes imitated).
+tests/test_flashinfer_self_check.py check the same refusals with the probes imitated).
 """
 
 from __future__ import annotations

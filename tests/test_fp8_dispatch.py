@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed")
+
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.bench.metrics import Traffic, dispatch_row_bytes
 from ep_runtime.kernels import TORCH_OPS as torch_ops

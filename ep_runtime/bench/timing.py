@@ -111,8 +111,10 @@ def time_ms(work: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
 
 def back_to_back_ms(work: Callable[[], object], calls: int = 20) -> tuple[float, float]:
     """``(device ms, host ms)`` per call of ``calls`` calls of ``work`` issued without a sync
-    between them, as a model's layers are: the device figure spans the first launch to the last
-    kernel's end (events), the host figure is the time to issue one."""
+    between them, as a model's layers are (one window): the device figure spans an event
+    recorded before the first call's host work to one after the last call's kernels, so the
+    host's lead before the first kernel counts once over the ``calls``; the host figure is the
+    time to issue one. ``work`` should be warm (compiled, buffers sized)."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
