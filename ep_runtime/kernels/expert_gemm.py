@@ -37,6 +37,7 @@ from ep_runtime.kernels.expert_tile_parts import (
     row_sources,
     row_targets,
     row_tiles,
+    step_masks,
     store_last_down_tile,
     store_up_tile,
     tile_step,
@@ -162,12 +163,7 @@ def _up_kernel(
             tile_n, k_step, flush = column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
-            if EVEN_K:
-                a_ok = ok_m[:, None]
-                w_ok = ok_n[None, :]
-            else:
-                a_ok = ok_m[:, None] & (kk[None, :] < depth - k_step * BK)
-                w_ok = ok_n[None, :] & (kk[:, None] < depth - k_step * BK)
+            a_ok, w_ok = step_masks(ok_m, ok_n, kk, depth - k_step * BK, EVEN_K)
             a = tl.load(a_rows + k_step * BK * stride_xk, mask=a_ok, other=0.0)
             g_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
             acc_g = tile_step(acc_g, a, tl.load(g_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)
@@ -240,12 +236,7 @@ def _down_kernel(
             tile_n, k_step, flush = column_step(i, steps, column_group, count, TILES_N)
             n = tile_n * BN + tl.arange(0, BN)
             ok_n = n < width
-            if EVEN_K:
-                a_ok = ok_m[:, None]
-                w_ok = ok_n[None, :]
-            else:
-                a_ok = ok_m[:, None] & (kk[None, :] < depth - k_step * BK)
-                w_ok = ok_n[None, :] & (kk[:, None] < depth - k_step * BK)
+            a_ok, w_ok = step_masks(ok_m, ok_n, kk, depth - k_step * BK, EVEN_K)
             a = tl.load(a_rows + k_step * BK, mask=a_ok, other=0.0)
             b_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK * stride_wk
             acc = tile_step(acc, a, tl.load(b_ptrs, mask=w_ok, other=0.0), SWAP, PRECISION)

@@ -137,6 +137,19 @@ def column_step(i, steps, column_group, count, TILES_N: tl.constexpr):
 
 
 @triton.jit
+def step_masks(ok_m, ok_n, kk, depth_left, EVEN_K: tl.constexpr):
+    """Load masks of one k-step: ``[BM, BK]`` rows of A and ``[BK, BN]`` of the weights (rows
+    and columns inside the problem, and, unless every step is whole, k below ``depth_left``)."""
+    if EVEN_K:
+        a_ok = ok_m[:, None]
+        w_ok = ok_n[None, :]
+    else:
+        a_ok = ok_m[:, None] & (kk[None, :] < depth_left)
+        w_ok = ok_n[None, :] & (kk[:, None] < depth_left)
+    return a_ok, w_ok
+
+
+@triton.jit
 def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr):
     """GEMM2's epilogue of one tile: router weight, one rounding, the rows ``o_rows`` point at."""
     result = untransposed(acc, SWAP) * weight[:, None]
