@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         f"'many' = per forward of {GRAPH_FORWARDS} in one graph (graph rows) or of "
         f"{BACK_TO_BACK} eager forwards issued back to back (eager rows)"
     )
-    many = "many: bf16/fp8 ms, ratio"
-    print(f"{header}  {many:34}  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes")
+    many_header = "many: bf16/fp8 ms, ratio"
+    print(f"{header}  {many_header:34}  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes")
     rows = []
     for point in POINTS:
         row = measure(point, device, **options)
