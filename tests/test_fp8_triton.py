@@ -11,6 +11,7 @@ spec's, so their quantized results may land on the neighbouring e4m3 value for a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -45,6 +46,11 @@ THREE_NARROW_TILES = TileConfig(16, 64, 128, num_stages=1, swap=True, tiles_n=3)
 # two 128-deep blocks (each its own scales) per loop iteration; GEMM2's tests then take I = 256
 TWO_BLOCKS_A_STEP = TileConfig(16, 128, 256, num_stages=1, swap=True)
 TWO_BLOCKS_ONE_DEEP = TileConfig(16, 64, 256, num_stages=1)  # I = 128: one block a step
+
+
+def tma(config: TileConfig) -> TileConfig:
+    """``config`` with its weights (and contiguous rows) loaded through TMA descriptors."""
+    return dataclasses.replace(config, tma=True)
 
 
 def quantize_on_device(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +158,8 @@ def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> 
 
 @pytest.mark.parametrize(
     "config",
-    [PLAIN, SWAPPED, TWO_COLUMN_TILES, TWO_BLOCKS_A_STEP],
-    ids=["plain", "swapped", "two-column-tiles", "two-blocks-a-step"],
+    [PLAIN, SWAPPED, TWO_COLUMN_TILES, TWO_BLOCKS_A_STEP, tma(PLAIN), tma(SWAPPED)],
+    ids=["plain", "swapped", "two-column-tiles", "two-blocks-a-step", "tma", "swapped-tma"],
 )
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
@@ -187,6 +193,9 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
         THREE_NARROW_TILES,
         TWO_BLOCKS_A_STEP,
         TWO_BLOCKS_ONE_DEEP,
+        tma(PLAIN),
+        tma(THREE_NARROW_TILES),
+        tma(TWO_BLOCKS_A_STEP),
     ],
     ids=[
         "plain",
@@ -196,11 +205,14 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
         "three-narrow-tiles",
         "two-blocks",
         "two-blocks-one-deep",
+        "tma",
+        "three-narrow-tiles-tma",
+        "two-blocks-tma",
     ],
 )
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_gemm2_fp8_matches_its_spec(layout, config):
-    depth = 256 if config is TWO_BLOCKS_A_STEP else I
+    depth = 256 if config.block_k == 256 and config.block_n == 128 else I
     x_q, x_s, q13, s13, q2, s2, offsets, pairs, weights, top_k, rows = gemm_problem(
         True, layout, seed=1, intermediate=depth
     )
@@ -226,6 +238,23 @@ def test_gemm2_fp8_matches_its_spec(layout, config):
     again = torch.empty_like(out)
     expert_gemm_fp8.expert_down_fp8(*args, again, config=config)
     assert torch.equal(again[written.to(DEVICE)], out[written.to(DEVICE)])
+
+
+def test_tma_descriptors_where_the_accelerator_can_read():
+    """``tma``: descriptors for the weights and for contiguous rows, none for gathered rows or
+    rows whose stride is off 16 bytes (those load through pointers); no config, no descriptors."""
+    weights = torch.zeros(2, 256, 128, dtype=FP8_DTYPE)
+    rows = torch.zeros(8, 128, dtype=FP8_DTYPE)
+    a_desc, w_desc, flags = expert_gemm_fp8._tma_options(tma(PLAIN), rows, weights)
+    assert flags == {"TMA_A": True, "TMA_B": True}
+    assert w_desc.shape == [512, 128] and w_desc.block_shape == [128, 128]
+    assert a_desc.block_shape == [16, 128]
+    odd = torch.zeros(8, 136, dtype=FP8_DTYPE)[:, :128]  # rows 136 bytes apart
+    assert expert_gemm_fp8._tma_options(tma(PLAIN), odd, weights)[2]["TMA_A"] is False
+    assert expert_gemm_fp8._tma_options(tma(PLAIN), None, weights)[2]["TMA_A"] is False
+    assert expert_gemm_fp8._tma_options(PLAIN, rows, weights) == (
+        None, None, {"TMA_A": False, "TMA_B": False}
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the layer

@@ -254,6 +254,7 @@ def _down_kernel(
 
 
 def _launch_options(config: TileConfig, num_local: int, depth: int, dtype: torch.dtype) -> dict:
+    assert not config.tma, "TileConfig.tma is an option of the fp8 GEMMs"
     return {
         "SWAP": config.swap,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",

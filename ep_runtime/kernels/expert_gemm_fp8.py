@@ -13,6 +13,9 @@ The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 ke
 * ``expert_down_fp8``: ``q(act)`` against e4m3 ``w2`` the same way; router weight in the
   epilogue, one rounding to the output dtype; EXPANDED padding rows zero.
 
+A config's ``tma`` loads the weights, and rows that lie contiguous (GEMM2's ``q(act)``, GEMM1's
+rows in EXPANDED), through TMA descriptors built on the host; gathered rows keep pointer loads.
+
 Deterministic (fixed order, no atomics), static grid, nothing read on the host.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ep_runtime.kernels.expert_gemm import activation_spec, nonempty_groups
 from ep_runtime.kernels.expert_tile_parts import (
@@ -124,21 +128,27 @@ def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _step_operands(
-    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n, k_step, width,
-    BN: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
-    """One k-step's operands of column tile ``tile_n``: its columns and their mask, the rows'
-    e4m3 codes ``[BM, BK]`` and scales ``[BM]``, the weight tile's pointers and codes ``[BK,
-    BN]``, and the pointer to its weight block's scale (BN divides BK: one block a tile)."""
-    n = tile_n * BN + tl.arange(0, BN)
-    ok_n = n < width
-    a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
-    a_scale = tl.load(a_scales + k_step, mask=ok_m, other=0.0)
-    w_ptrs = w_expert + n[None, :] * stride_wn + k_step * BK
-    w_tile = tl.load(w_ptrs, mask=ok_n[None, :], other=0.0)
-    w_block = s_expert + (tile_n * BN // BK) * stride_wsn + k_step
-    return n, ok_n, a, a_scale, w_ptrs, w_tile, w_block
+def _row_step(a_rows, a_desc, a_row, a_scales, ok_m, k_step, BK: tl.constexpr, TMA: tl.constexpr):
+    """One k-step of the rows: e4m3 codes ``[BM, BK]`` and their scales ``[BM]``. TMA: the codes
+    of contiguous rows from ``a_row`` on through the descriptor (rows past ``ok_m`` are loaded
+    too; each only meets its own output row, which is never stored), else gathered."""
+    if TMA:
+        a = a_desc.load([a_row, k_step * BK])
+    else:
+        a = tl.load(a_rows + k_step * BK, mask=ok_m[:, None], other=0.0)
+    return a, tl.load(a_scales + k_step, mask=ok_m, other=0.0)
+
+
+@triton.jit
+def _weight_step(w_tile, w_desc, w_row, ok_n, k_step, BK: tl.constexpr, TMA: tl.constexpr):
+    """One k-step of a weight tile, e4m3 ``[BK, BN]``: through the descriptor of the ``[L·N, K]``
+    weights from row ``w_row`` (loaded ``[BN, BK]``, used transposed), else from ``w_tile``
+    (the tile's pointers at k = 0)."""
+    if TMA:
+        w = w_desc.load([w_row, k_step * BK]).T
+    else:
+        w = tl.load(w_tile + k_step * BK, mask=ok_n[None, :], other=0.0)
+    return w
 
 
 @triton.jit
@@ -168,12 +178,14 @@ def _store_quantized_tile(
 @kernel(do_not_specialize=["tiles_m"])
 def _up_fp8_kernel(
     x,  # [R, H] e4m3
+    x_desc,  # its TMA descriptor (TMA_A: EXPANDED rows), else None
     stride_xm,
     xs,  # [R, H/128] fp32
     stride_xsm,
     pairs,  # [P] int32 (SORTED)
     offsets,  # [L + 1] int32
     w,  # [L, 2I | I, H] e4m3
+    w_desc,  # TMA descriptor of w as [L·(2I | I), H] (TMA_B), else None
     stride_we,
     stride_wn,
     ws,  # [L, 2I/128 | I/128, H/128] fp32
@@ -198,6 +210,8 @@ def _up_fp8_kernel(
     TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_B: tl.constexpr,
 ):
     """Program (row tile, TILES_N column tiles): q(x) rows gathered through ``pairs``, block
     scales per k-step, activation and quantization of each tile's result in its epilogue."""
@@ -221,22 +235,28 @@ def _up_fp8_kernel(
         s_rows = outs + p64 * stride_osm
         steps = depth // (BK * KU)
         up_blocks = (width // BK) * stride_wsn  # the up half's first weight block row
+        w_rows = expert * (2 * width if GATED else width)  # the expert's first row of w
         shape: tl.constexpr = (BN, BM) if SWAP else (BM, BN)
         acc_g = tl.zeros(shape, dtype=tl.float32)
         acc_u = tl.zeros(shape, dtype=tl.float32)
         count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_outer, flush = column_step(i, steps, column_group, count, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
+            g_tile = w_expert + n[None, :] * stride_wn
+            g_row = w_rows + tile_n * BN
+            g_scale = s_expert + tile_n * stride_wsn  # BN = BK: one weight block a tile
             for sub in tl.static_range(KU):
-                _cols, ok_n, a, a_scale, g_ptrs, g, g_scale = _step_operands(
-                    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
-                    k_outer * KU + sub, width, BN, BK,
-                )  # fmt: skip
-                g_step = a_scale * tl.load(g_scale)
+                k_step = k_outer * KU + sub
+                a, a_scale = _row_step(a_rows, x_desc, row_start, a_scales, ok_m, k_step, BK, TMA_A)
+                g = _weight_step(g_tile, w_desc, g_row, ok_n, k_step, BK, TMA_B)
+                g_step = a_scale * tl.load(g_scale + k_step)
                 acc_g = _scaled_step(acc_g, a, g, g_step, SWAP)
                 if GATED:
-                    u = tl.load(g_ptrs + width * stride_wn, mask=ok_n[None, :], other=0.0)
-                    u_step = a_scale * tl.load(g_scale + up_blocks)
+                    u_tile = g_tile + width * stride_wn
+                    u = _weight_step(u_tile, w_desc, g_row + width, ok_n, k_step, BK, TMA_B)
+                    u_step = a_scale * tl.load(g_scale + up_blocks + k_step)
                     acc_u = _scaled_step(acc_u, a, u, u_step, SWAP)
             if TILES_N > 1:  # noqa: SIM102 (a constexpr branch: one tile compiles without it)
                 if flush:
@@ -255,12 +275,14 @@ def _up_fp8_kernel(
 @kernel(do_not_specialize=["tiles_m", "num_rows"])
 def _down_fp8_kernel(
     act,  # [P, I] e4m3
+    a_desc,  # its TMA descriptor (TMA_A), else None
     stride_am,
     acts,  # [P, I/128] fp32
     stride_asm,
     pairs,  # [P] int32 (SORTED)
     offsets,  # [L + 1] int32
     w,  # [L, H, I] e4m3
+    w_desc,  # TMA descriptor of w as [L·H, I] (TMA_B), else None
     stride_we,
     stride_wn,
     ws,  # [L, H/128, I/128] fp32
@@ -287,6 +309,8 @@ def _down_fp8_kernel(
     TILES_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     LP: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_B: tl.constexpr,
 ):
     """Program (row tile, TILES_N column tiles): block scales per k-step, router weight and one
     rounding in each tile's epilogue; spare programs zero EXPANDED padding (as the bf16 kernel)."""
@@ -313,12 +337,16 @@ def _down_fp8_kernel(
         count = group_tiles(column_group, num_n, TILES_N)
         for i in range(0, count * steps):
             tile_n, k_outer, flush = column_step(i, steps, column_group, count, TILES_N)
+            n = tile_n * BN + tl.arange(0, BN)
+            ok_n = n < width
+            b_tile = w_expert + n[None, :] * stride_wn
+            b_row = expert * width + tile_n * BN
+            b_scale = s_expert + (tile_n * BN // BK) * stride_wsn  # BN | BK: one block a tile
             for sub in tl.static_range(KU):
-                n, ok_n, a, a_scale, _ptrs, b, b_block = _step_operands(
-                    a_rows, a_scales, w_expert, s_expert, stride_wn, stride_wsn, ok_m, tile_n,
-                    k_outer * KU + sub, width, BN, BK,
-                )  # fmt: skip
-                acc = _scaled_step(acc, a, b, a_scale * tl.load(b_block), SWAP)
+                k_step = k_outer * KU + sub
+                a, a_scale = _row_step(a_rows, a_desc, row_start, a_scales, ok_m, k_step, BK, TMA_A)
+                b = _weight_step(b_tile, w_desc, b_row, ok_n, k_step, BK, TMA_B)
+                acc = _scaled_step(acc, a, b, a_scale * tl.load(b_scale + k_step), SWAP)
             acc = flush_down_tile(acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP, TILES_N)
         last_tile = column_group * TILES_N + count - 1
         store_last_down_tile(out, o_rows, acc, weight, last_tile, width, ok_m, BN, SWAP)
@@ -330,6 +358,27 @@ def _down_fp8_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+def _descriptor(codes: torch.Tensor, block_rows: int) -> TensorDescriptor | None:
+    """TMA descriptor of the 2-D e4m3 ``codes`` (columns contiguous) in boxes of ``block_rows``
+    × 128, or None where TMA cannot read them (a base or row stride off 16 bytes)."""
+    if codes.stride(1) != 1 or codes.stride(0) % 16 or codes.data_ptr() % 16:
+        return None
+    return TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_rows, BLOCK])
+
+
+def _tma_options(
+    config: TileConfig, rows: torch.Tensor | None, weights: torch.Tensor
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None, dict]:
+    """``(rows' descriptor, weights' descriptor, their constexprs)``: with ``config.tma`` the
+    weights ``[L, N, K]`` (as ``[L·N, K]``) and ``rows`` (contiguous rows, or None where they are
+    gathered) load through the Tensor Memory Accelerator, wherever it can read them."""
+    if not config.tma:
+        return None, None, {"TMA_A": False, "TMA_B": False}
+    a_desc = None if rows is None else _descriptor(rows, config.block_m)
+    w_desc = _descriptor(weights.view(-1, weights.size(2)), config.block_n)
+    return a_desc, w_desc, {"TMA_A": a_desc is not None, "TMA_B": w_desc is not None}
 
 
 def _options(config: TileConfig, num_local: int, depth: int) -> dict:
@@ -372,32 +421,13 @@ def expert_up_fp8(
         return out_q, out_s
     tiles_m = row_tiles(num_grouped, num_local, config.block_m)
     grid = (tiles_m * column_groups(width, config),)
+    x_desc, w_desc, tma = _tma_options(config, x_q if pairs is None else None, w13)
     _up_fp8_kernel[grid](
-        x_q,
-        x_q.stride(0),
-        x_s,
-        x_s.stride(0),
-        offsets if pairs is None else pairs,
-        offsets,
-        w13,
-        w13.stride(0),
-        w13.stride(1),
-        s13,
-        s13.stride(0),
-        s13.stride(1),
-        out_q,
-        out_q.stride(0),
-        out_s,
-        out_s.stride(0),
-        num_local,
-        top_k,
-        width,
-        depth,
-        tiles_m,
-        GATED=gated,
-        SORTED=pairs is not None,
-        **_options(config, num_local, depth),
-    )
+        x_q, x_desc, x_q.stride(0), x_s, x_s.stride(0), offsets if pairs is None else pairs,
+        offsets, w13, w_desc, w13.stride(0), w13.stride(1), s13, s13.stride(0), s13.stride(1),
+        out_q, out_q.stride(0), out_s, out_s.stride(0), num_local, top_k, width, depth, tiles_m,
+        GATED=gated, SORTED=pairs is not None, **_options(config, num_local, depth), **tma,
+    )  # fmt: skip
     return out_q, out_s
 
 
@@ -419,32 +449,12 @@ def expert_down_fp8(
     if launch is None:
         return out
     grid, tiles_m = launch
+    a_desc, w_desc, tma = _tma_options(config, a_q, w2)
     _down_fp8_kernel[grid](
-        a_q,
-        a_q.stride(0),
-        a_s,
-        a_s.stride(0),
-        offsets if pairs is None else pairs,
-        offsets,
-        w2,
-        w2.stride(0),
-        w2.stride(1),
-        s2,
-        s2.stride(0),
-        s2.stride(1),
-        weights,
-        weights.stride(0),
-        weights.stride(1),
-        out,
-        out.stride(0),
-        num_local,
-        weights.size(1),
-        width,
-        depth,
-        tiles_m,
-        out.size(0),
-        SORTED=pairs is not None,
-        ZERO_PAD=pairs is None,
-        **_options(config, num_local, depth),
-    )
+        a_q, a_desc, a_q.stride(0), a_s, a_s.stride(0), offsets if pairs is None else pairs,
+        offsets, w2, w_desc, w2.stride(0), w2.stride(1), s2, s2.stride(0), s2.stride(1),
+        weights, weights.stride(0), weights.stride(1), out, out.stride(0), num_local,
+        weights.size(1), width, depth, tiles_m, out.size(0), SORTED=pairs is not None,
+        ZERO_PAD=pairs is None, **_options(config, num_local, depth), **tma,
+    )  # fmt: skip
     return out

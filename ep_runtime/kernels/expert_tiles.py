@@ -29,7 +29,9 @@ class TileConfig:
     """One launch configuration. ``swap``: compute the transposed tile ``wᵀ·xᵀ`` so the weight
     rows fill the matrix unit's M side (few rows per expert: decode). ``tiles_n``: column tiles
     one program computes, one after the other in one loop (few rows per expert: a program's
-    set-up and pipeline fill are paid once for more weight bytes)."""
+    set-up and pipeline fill are paid once for more weight bytes). ``tma`` (the fp8 GEMMs
+    only): the weights, and rows that lie contiguous (GEMM2's; GEMM1's in EXPANDED), load
+    through the Tensor Memory Accelerator instead of per-thread pointers."""
 
     block_m: int
     block_n: int
@@ -39,6 +41,7 @@ class TileConfig:
     num_stages: int = 3
     swap: bool = False
     tiles_n: int = 1
+    tma: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
