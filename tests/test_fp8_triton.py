@@ -43,7 +43,7 @@ NARROW = TileConfig(16, 64, 128, num_stages=1, swap=True)  # GEMM2 only: 2 tiles
 # 2 in 2s, its 4 narrow ones in 3s (the second group partial)
 TWO_COLUMN_TILES = TileConfig(16, 128, 128, num_stages=1, tiles_n=2)
 THREE_NARROW_TILES = TileConfig(16, 64, 128, num_stages=1, swap=True, tiles_n=3)
-# two 128-deep blocks (each its own scales) per loop iteration; GEMM2's tests then take I = 256
+# two 128-deep blocks (each its own scales) per loop iteration (GEMM2 tests take I = 256)
 TWO_BLOCKS_A_STEP = TileConfig(16, 128, 256, num_stages=1, swap=True)
 TWO_BLOCKS_ONE_DEEP = TileConfig(16, 64, 256, num_stages=1)  # I = 128: one block a step
 
@@ -103,8 +103,8 @@ def test_quantize_kernel_on_strided_rows():
 
 # --------------------------------------------------------------------------- GEMMs vs specs
 def gemm_problem(gated: bool, layout: str, seed: int = 0, intermediate: int = I):
-    """Local experts 0..3 of a rank; rows with unused slots, a row served by nobody, an expert
-    with no rows; NaN in that row (never read)."""
+    """Local experts 0..3 of a rank, each with fewer rows than a tile; rows with unused slots,
+    a row served by nobody, NaN in that row (never read)."""
     g = torch.Generator().manual_seed(seed)
     rows, top_k, num_local = 11, 2, 4
     w13 = torch.randn(num_local, (2 if gated else 1) * intermediate, H, generator=g) / H**0.5
@@ -156,21 +156,38 @@ def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> 
     assert (got_q != want_q).float().mean() < 0.05
 
 
+GEMM1_CONFIGS = [PLAIN, SWAPPED, TWO_COLUMN_TILES, TWO_BLOCKS_A_STEP]
+GEMM1_IDS = ["plain", "swapped", "two-column-tiles", "two-blocks-a-step"]
+
+
+def nan_codes_past(codes: torch.Tensor, valid: int) -> torch.Tensor:
+    """``codes`` with every row from ``valid`` on an e4m3 NaN: rows no expert serves, which a
+    TMA load of a last tile reads (each must meet only its own output row, never stored)."""
+    codes = codes.clone()
+    codes.view(torch.uint8)[valid:] = 0x7F
+    return codes
+
+
 @pytest.mark.parametrize(
     "config",
-    [PLAIN, SWAPPED, TWO_COLUMN_TILES, TWO_BLOCKS_A_STEP, tma(PLAIN), tma(SWAPPED)],
-    ids=["plain", "swapped", "two-column-tiles", "two-blocks-a-step", "tma", "swapped-tma"],
+    GEMM1_CONFIGS + [tma(c) for c in GEMM1_CONFIGS],
+    ids=GEMM1_IDS + [f"{name}-tma" for name in GEMM1_IDS],
 )
+@pytest.mark.parametrize("width", [I, 2 * I], ids=["one-column-tile", "two-column-tiles"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
-def test_gemm1_fp8_matches_its_spec(gated, layout, config):
-    x_q, x_s, q13, s13, _, _, offsets, pairs, _, top_k, _ = gemm_problem(gated, layout)
+def test_gemm1_fp8_matches_its_spec(gated, layout, width, config):
+    x_q, x_s, q13, s13, _, _, offsets, pairs, _, top_k, _ = gemm_problem(
+        gated, layout, intermediate=width
+    )
     want_q, want_s = expert_gemm_fp8.expert_up_fp8_spec(
         x_q, x_s, q13, s13, offsets, pairs, top_k=top_k, gated=gated
     )
+    if pairs is None:
+        x_q = nan_codes_past(x_q, int(offsets[-1]))
     grouped = want_q.size(0)
-    out_q = torch.full((grouped, I), float("nan"), device=DEVICE).to(FP8_DTYPE)
-    out_s = torch.full((grouped, I // 128), float("nan"), device=DEVICE)
+    out_q = torch.full((grouped, width), float("nan"), device=DEVICE).to(FP8_DTYPE)
+    out_s = torch.full((grouped, width // 128), float("nan"), device=DEVICE)
     args = on_device(x_q, x_s, q13, s13, offsets, pairs, out_q, out_s)
     expert_gemm_fp8.expert_up_fp8(*args, top_k=top_k, gated=gated, config=config)
     valid = int(offsets[-1])
@@ -194,6 +211,7 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
         TWO_BLOCKS_A_STEP,
         TWO_BLOCKS_ONE_DEEP,
         tma(PLAIN),
+        tma(SWAPPED),
         tma(THREE_NARROW_TILES),
         tma(TWO_BLOCKS_A_STEP),
     ],
@@ -206,19 +224,21 @@ def test_gemm1_fp8_matches_its_spec(gated, layout, config):
         "two-blocks",
         "two-blocks-one-deep",
         "tma",
+        "swapped-tma",
         "three-narrow-tiles-tma",
         "two-blocks-tma",
     ],
 )
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
 def test_gemm2_fp8_matches_its_spec(layout, config):
-    depth = 256 if config.block_k == 256 and config.block_n == 128 else I
+    depth = I if config is TWO_BLOCKS_ONE_DEEP else 2 * I  # else two 128-deep blocks
     x_q, x_s, q13, s13, q2, s2, offsets, pairs, weights, top_k, rows = gemm_problem(
         True, layout, seed=1, intermediate=depth
     )
     a_q, a_s = expert_gemm_fp8.expert_up_fp8_spec(
         x_q, x_s, q13, s13, offsets, pairs, top_k=top_k, gated=True
     )
+    a_q = nan_codes_past(a_q, int(offsets[-1]))
     num_out = rows * top_k if pairs is not None else a_q.size(0)
     want = expert_gemm_fp8.expert_down_fp8_spec(
         a_q, a_s, q2, s2, offsets, pairs, weights, num_out=num_out, dtype=torch.bfloat16
@@ -241,17 +261,27 @@ def test_gemm2_fp8_matches_its_spec(layout, config):
 
 
 def test_tma_descriptors_where_the_accelerator_can_read():
-    """``tma``: descriptors for the weights and for contiguous rows, none for gathered rows or
-    rows whose stride is off 16 bytes (those load through pointers); no config, no descriptors."""
+    """``tma``: descriptors for contiguous weights and rows; none for gathered rows, rows whose
+    stride is off 16 bytes, overlapping rows, no rows or weights that are not contiguous (those
+    load through pointers); no config, no descriptors."""
     weights = torch.zeros(2, 256, 128, dtype=FP8_DTYPE)
     rows = torch.zeros(8, 128, dtype=FP8_DTYPE)
     a_desc, w_desc, flags = expert_gemm_fp8._tma_options(tma(PLAIN), rows, weights)
     assert flags == {"TMA_A": True, "TMA_B": True}
     assert w_desc.shape == [512, 128] and w_desc.block_shape == [128, 128]
     assert a_desc.block_shape == [16, 128]
-    odd = torch.zeros(8, 136, dtype=FP8_DTYPE)[:, :128]  # rows 136 bytes apart
-    assert expert_gemm_fp8._tma_options(tma(PLAIN), odd, weights)[2]["TMA_A"] is False
-    assert expert_gemm_fp8._tma_options(tma(PLAIN), None, weights)[2]["TMA_A"] is False
+    unreadable_rows = [
+        torch.zeros(8, 136, dtype=FP8_DTYPE)[:, :128],  # rows 136 bytes apart
+        torch.zeros(1, 128, dtype=FP8_DTYPE).expand(8, 128),  # every row the same bytes
+        torch.zeros(0, 128, dtype=FP8_DTYPE),
+        None,  # gathered
+    ]
+    for unreadable in unreadable_rows:
+        assert expert_gemm_fp8._tma_options(tma(PLAIN), unreadable, weights)[2]["TMA_A"] is False
+    sliced = torch.zeros(2, 512, 128, dtype=FP8_DTYPE)[:, :256]  # not one [L·N, K] view
+    assert expert_gemm_fp8._tma_options(tma(PLAIN), rows, sliced)[1:] == (
+        None, {"TMA_A": True, "TMA_B": False}
+    )  # fmt: skip
     assert expert_gemm_fp8._tma_options(PLAIN, rows, weights) == (
         None, None, {"TMA_A": False, "TMA_B": False}
     )  # fmt: skip

@@ -118,8 +118,8 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
     loop iteration), BLOCK_N dividing 128 (a column tile lies in one weight block: one weight
     scale per k-step) and, for GEMM1, BLOCK_N = 128 (its epilogue quantizes one 128-column
     group per tile row); each with its operands loaded through pointers and through TMA
-    (``tma``: on the H200 a gain for GEMM2 at prefill and for the DSV3 shard's GEMM1 at
-    decode, a loss for GEMM1 at prefill, where its gathered rows keep pointer loads)."""
+    (``tma``; GEMM1 is timed in STANDARD, its rows gathered, so only its weights go through
+    TMA here)."""
     decode = [
         TileConfig(16, 128, 128, 1, 4, 3, swap=True),
         TileConfig(16, 128, 128, 1, 4, 4, swap=True),

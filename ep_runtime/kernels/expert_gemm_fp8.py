@@ -213,8 +213,9 @@ def _up_fp8_kernel(
     TMA_A: tl.constexpr,
     TMA_B: tl.constexpr,
 ):
-    """Program (row tile, TILES_N column tiles): q(x) rows gathered through ``pairs``, block
-    scales per k-step, activation and quantization of each tile's result in its epilogue."""
+    """Program (row tile, TILES_N column tiles): q(x) rows (SORTED: gathered through
+    ``pairs``), block scales per k-step, activation and quantization of each tile's result in
+    its epilogue."""
     num_n = width // BN
     _, column_group, expert, _, row_start, row_end = expert_tile(
         tl.program_id(0), offsets, num_local, tiles_m, (num_n + TILES_N - 1) // TILES_N, BM,
@@ -361,23 +362,31 @@ def _down_fp8_kernel(
 
 
 def _descriptor(codes: torch.Tensor, block_rows: int) -> TensorDescriptor | None:
-    """TMA descriptor of the 2-D e4m3 ``codes`` (columns contiguous) in boxes of ``block_rows``
-    × 128, or None where TMA cannot read them (a base or row stride off 16 bytes)."""
-    if codes.stride(1) != 1 or codes.stride(0) % 16 or codes.data_ptr() % 16:
+    """TMA descriptor of the 2-D e4m3 ``codes`` in boxes of ``block_rows`` × 128, or None where
+    TMA cannot read them: no rows, columns not contiguous, rows that overlap, or a base or row
+    stride off 16 bytes (those load through pointers)."""
+    rows, cols = codes.shape
+    row_stride = codes.stride(0)
+    if rows == 0 or codes.stride(1) != 1 or row_stride < cols or row_stride % 16:
         return None
-    return TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_rows, BLOCK])
+    if codes.data_ptr() % 16:
+        return None
+    return TensorDescriptor(codes, [rows, cols], [row_stride, 1], [block_rows, BLOCK])
 
 
 def _tma_options(
     config: TileConfig, rows: torch.Tensor | None, weights: torch.Tensor
 ) -> tuple[TensorDescriptor | None, TensorDescriptor | None, dict]:
     """``(rows' descriptor, weights' descriptor, their constexprs)``: with ``config.tma`` the
-    weights ``[L, N, K]`` (as ``[L·N, K]``) and ``rows`` (contiguous rows, or None where they are
-    gathered) load through the Tensor Memory Accelerator, wherever it can read them."""
+    contiguous weights ``[L, N, K]`` (as ``[L·N, K]``) and ``rows`` (contiguous rows, or None
+    where they are gathered) load through the Tensor Memory Accelerator wherever it can read
+    them; the rest through pointers."""
     if not config.tma:
         return None, None, {"TMA_A": False, "TMA_B": False}
     a_desc = None if rows is None else _descriptor(rows, config.block_m)
-    w_desc = _descriptor(weights.view(-1, weights.size(2)), config.block_n)
+    w_desc = None
+    if weights.is_contiguous():
+        w_desc = _descriptor(weights.view(-1, weights.size(2)), config.block_n)
     return a_desc, w_desc, {"TMA_A": a_desc is not None, "TMA_B": w_desc is not None}
 
 

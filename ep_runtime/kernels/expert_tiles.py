@@ -31,7 +31,9 @@ class TileConfig:
     one program computes, one after the other in one loop (few rows per expert: a program's
     set-up and pipeline fill are paid once for more weight bytes). ``tma`` (the fp8 GEMMs
     only): the weights, and rows that lie contiguous (GEMM2's; GEMM1's in EXPANDED), load
-    through the Tensor Memory Accelerator instead of per-thread pointers."""
+    through the Tensor Memory Accelerator instead of per-thread pointers. The tuner times
+    GEMM1 in STANDARD (rows gathered, weights alone through TMA); in EXPANDED the same entry
+    also loads its rows through TMA, which is tested but was not timed."""
 
     block_m: int
     block_n: int
