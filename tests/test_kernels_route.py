@@ -39,6 +39,33 @@ ROUTE_CASES = [
 ]
 
 
+def route_both_ways(ids, control_values, world_size, slot_load=None, **options):
+    """``route_tokens`` by the Triton op and by its torch twin, each on fresh control words,
+    a fresh header (filled with -5: every entry must be written) and its own copy of
+    ``slot_load``; asserts the two bitwise equal (ids, slots, tokens, header, control) and
+    returns ``(route, control, slot_load)`` of each, Triton's first."""
+    results = []
+    for ops in (triton_ops, torch_ops):
+        control = new_control(ids.device, control_values)
+        header = torch.full((world_size, HEADER_INTS), -5, dtype=torch.int32, device=ids.device)
+        load = None if slot_load is None else slot_load.clone()
+        route = ops.route_tokens(
+            ids,
+            world_size=world_size,
+            control=control,
+            header_out=header,
+            slot_load=load,
+            **options,
+        )
+        assert route.header is header
+        results.append((route, control, load))
+    (got, got_control, _), (want, want_control, _) = results
+    for field in ("ids", "dest_slot", "token_of", "header"):
+        assert_bitwise(getattr(got, field), getattr(want, field), field)
+    assert_bitwise(got_control, want_control, "control")
+    return results
+
+
 @pytest.mark.parametrize(("T", "K", "E", "W", "drop", "dtype", "strided"), ROUTE_CASES)
 def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
     ids = routing_ids(T, K, E, invalid=drop, seed=T + K).to(dtype)
@@ -49,31 +76,16 @@ def test_route_tokens(device, T, K, E, W, drop, dtype, strided) -> None:
     else:
         ids = ids.to(device)
     fields = HeaderFields(status=2, fingerprint=0x1234567, layer=3, phase=1, top_k=K, num_chunks=4)
-    results = {}
-    for name, ops in (("triton", triton_ops), ("torch", torch_ops)):
-        control = new_control(device, [7, 3, 0, 0, 0, 1])  # SEQ 7, BAD_IDS 3, FORWARD_FAILED 1
-        header = torch.full((W, HEADER_INTS), -5, dtype=torch.int32, device=device)
-        slot_load = torch.arange(E, dtype=torch.int64, device=device)  # counts so far: added to
-        route = ops.route_tokens(
-            ids,
-            num_experts=E,
-            experts_per_rank=E // W,
-            world_size=W,
-            drop_invalid=drop,
-            control=control,
-            fields=fields,
-            header_out=header,
-            slot_load=slot_load,
-        )
-        assert route.header is header
-        results[name] = (route, control, slot_load)
-    (got, got_control, got_load), (want, want_control, want_load) = (
-        results["triton"],
-        results["torch"],
+    (_, _, got_load), (want, want_control, want_load) = route_both_ways(
+        ids,
+        [7, 3, 0, 0, 0, 1],  # SEQ 7, BAD_IDS 3, FORWARD_FAILED 1
+        W,
+        slot_load=torch.arange(E, dtype=torch.int64, device=device),  # counts so far: added to
+        num_experts=E,
+        experts_per_rank=E // W,
+        drop_invalid=drop,
+        fields=fields,
     )
-    for field in ("ids", "dest_slot", "token_of", "header"):
-        assert_bitwise(getattr(got, field), getattr(want, field), field)
-    assert_bitwise(got_control, want_control, "control")
     # by hand: one count per kept (token, slot) pair (dropped ids and repeats are not sent)
     kept = want.ids[want.ids >= 0].long().cpu()
     hand = torch.arange(E) + torch.bincount(kept, minlength=E)
@@ -130,26 +142,16 @@ def test_route_tokens_invalid_ids_fail_the_header(device, status) -> None:
     for invalid in (True, False):
         ids = routing_ids(40, 3, 8, invalid=True, seed=5) if invalid else distinct
         ids = ids.to(device)
-        results = []
-        for ops in (triton_ops, torch_ops):
-            control = new_control(device, [4, 3])
-            header = torch.empty(2, HEADER_INTS, dtype=torch.int32, device=device)
-            route = ops.route_tokens(
-                ids,
-                num_experts=8,
-                experts_per_rank=4,
-                world_size=2,
-                drop_invalid=True,
-                control=control,
-                fields=fields,
-                header_out=header,
-                invalid_status=1,
-            )
-            results.append((route, control))
-        (got, got_control), (want, want_control) = results
-        for field in ("ids", "dest_slot", "token_of", "header"):
-            assert_bitwise(getattr(got, field), getattr(want, field), field)
-        assert_bitwise(got_control, want_control, "control")
+        (got, got_control, _), _ = route_both_ways(
+            ids,
+            [4, 3],
+            2,
+            num_experts=8,
+            experts_per_rank=4,
+            drop_invalid=True,
+            fields=fields,
+            invalid_status=1,
+        )
         expected = status or (1 if invalid else 0)
         assert got.header[:, Field.STATUS].tolist() == [expected] * 2
         assert int(got_control[Control.BAD_IDS]) == 3  # reported by the status, not counted
@@ -158,23 +160,7 @@ def test_route_tokens_invalid_ids_fail_the_header(device, status) -> None:
 def test_route_tokens_all_unused(device) -> None:
     ids = torch.full((9, 3), -1, dtype=torch.int64, device=device)
     fields = HeaderFields(0, 1, 0, 1, 3, 1)
-    results = []
-    for ops in (triton_ops, torch_ops):
-        control = new_control(device, [1])
-        header = torch.empty(2, HEADER_INTS, dtype=torch.int32, device=device)
-        route = ops.route_tokens(
-            ids,
-            num_experts=4,
-            experts_per_rank=2,
-            world_size=2,
-            drop_invalid=True,
-            control=control,
-            fields=fields,
-            header_out=header,
-        )
-        results.append((route, control))
-    (got, got_control), (want, want_control) = results
-    for field in ("ids", "dest_slot", "token_of", "header"):
-        assert_bitwise(getattr(got, field), getattr(want, field), field)
-    assert_bitwise(got_control, want_control, "control")
+    (got, _, _), _ = route_both_ways(
+        ids, [1], 2, num_experts=4, experts_per_rank=2, drop_invalid=True, fields=fields
+    )
     assert int(got.header[:, Field.NUM_ROWS].abs().sum()) == 0
