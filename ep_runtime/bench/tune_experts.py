@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 from ep_runtime.bench.timing import device_ms
-from ep_runtime.kernels.expert_tiles import TileConfig, rows_bucket, shape_key, table_path
+from ep_runtime.kernels.expert_tiles import (
+    TileConfig,
+    parse_table,
+    rows_bucket,
+    shape_key,
+    table_path,
+)
 from ep_runtime.quantization import (
     FP8_DTYPE,
     dequantize_activations,
@@ -195,7 +201,16 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
     ]
     chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill
     fitting = [c for c in chosen if gemm == "down" or c.block_n == 128]
-    return fitting + [dataclasses.replace(c, tma=True) for c in fitting]
+    triton = fitting + [dataclasses.replace(c, tma=True) for c in fitting]
+    if bucket <= 64 or torch.cuda.get_device_capability() != (9, 0):
+        return triton
+    # the SM90 warp-specialized kernels: fixed 128-row tiles (128 columns in GEMM1, 256 in
+    # GEMM2), a ring of 3 or 4 stages, the tile order's group
+    width = 128 if gemm == "up" else 256
+    return triton + [
+        TileConfig(128, width, 128, group_m, 4, stages, warp_specialized=True)
+        for group_m, stages in ((8, 4), (16, 4), (8, 3), (32, 4))
+    ]
 
 
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
@@ -278,14 +293,34 @@ def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     }
 
 
-def tune_point(shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool) -> dict:
-    """Best config of each GEMM for (shape, T), with every candidate's time."""
+KERNELS = {False: "triton", True: "warp-specialized"}
+
+
+def shipped_entry(gemm: str, shape: Shape, bucket: Fraction, fp8: bool) -> TileConfig | None:
+    """The table's entry for exactly this (GEMM, shape, bucket) on this GPU, if any."""
+    n, k = (
+        (shape.intermediate, shape.hidden) if gemm == "up" else (shape.hidden, shape.intermediate)
+    )
+    key = shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8)
+    entries = parse_table(json.loads(table_path().read_text())).get(torch.cuda.get_device_name())
+    return (entries or {}).get(key, {}).get(bucket)
+
+
+def tune_point(
+    shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool, kernels: str = "all"
+) -> dict:
+    """Best config of each GEMM for (shape, T), with every candidate's time (``kernels``:
+    only the Triton or only the warp-specialized candidates, besides the shipped entry)."""
     runs = _runs(shape, tokens, device, fp8)
     bucket = rows_bucket(tokens * shape.top_k, shape.num_local)
     result: dict = {"shape": shape.name, "tokens": tokens, "bucket": str(bucket), "fp8": fp8}
     for gemm, (run, got, want, rows) in runs.items():
         timings = {}
         tried = fp8_candidates(bucket, gemm) if fp8 else candidates(bucket)
+        tried = [c for c in tried if kernels in ("all", KERNELS[c.warp_specialized])]
+        shipped = shipped_entry(gemm, shape, bucket, fp8)
+        if shipped is not None and shipped not in tried:
+            tried.append(shipped)  # a run never writes a config slower than the shipped one
         for config in tried:
             try:
                 timings[config] = device_ms(lambda c=config, run=run: run(c), iters)
@@ -355,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="tune the bf16 GEMMs (none) or the fp8 block-scale GEMMs",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=("all", *KERNELS.values()),
+        default="all",
+        help="the candidates to time besides the shipped entry (warp-specialized: fp8, SM90)",
+    )
     parser.add_argument("--table", type=Path, default=table_path(), help="the table to update")
     parser.add_argument("--json", type=Path, help="also write every candidate's time here")
     args = parser.parse_args(argv)
@@ -369,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes:
         for tokens in args.tokens:
             fp8 = args.quantization == "fp8_block"
-            results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8))
+            results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8, args.kernels))
             merge(document, device_name, results)  # written as it goes: a cut run keeps it
             args.table.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     if args.json is not None:
