@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from ep_runtime.kernels import expert_gemm_fp8, expert_gemm_fp8_ws, expert_rows
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.quantization import FP8_DTYPE, quantize_activations, quantize_weight_blocks
-from tests.test_fp8_triton import assert_neighbouring_codes, nan_codes_past
+from tests.test_fp8_triton import nan_codes_past
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(
@@ -39,6 +39,27 @@ needs_sm90 = pytest.mark.skipif(
 UP = TileConfig(128, 128, 128, group_m=8, num_warps=4, num_stages=4, warp_specialized=True)
 DOWN = dataclasses.replace(UP, block_n=256)
 SHAPES = [(1152, 256), (512, 640)]  # (H, I): 9 and 4 GEMM1 steps, 2 and 5 GEMM2 steps
+# Hopper's fp8 wgmma accumulates each 128-deep step with about 14 mantissa bits (DeepSeek-V3
+# report), relative to the step's largest partial sums: over 9 steps and through silu(g)·u a
+# row's amax moved by up to 9e-4 of the spec's (H100, H 1152; the Triton kernel's wgmma tiles
+# too). The bound here on the scales, and on each code (in units of its row's scale) beyond its
+# e4m3 neighbour; tests/test_fp8_triton.py's 2 steps take 2^-11.
+SCALE_BOUND = 2.0**-9
+
+
+def assert_hopper_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> None:
+    """``got`` within Hopper's accumulation of the spec: scales within SCALE_BOUND, each code
+    within its e4m3 neighbour plus SCALE_BOUND of the row's range (448), few codes off. A wrong
+    row, tile or scale moves codes and scales by far more (the negative control below)."""
+    got_q, want_q = got_q[:valid_rows].float(), want_q[:valid_rows].float()
+    got_s, want_s = got_s[:valid_rows], want_s[:valid_rows]
+    assert torch.isfinite(got_s).all() and torch.isfinite(got_q).all()
+    distance = (got_s - want_s).abs() / want_s
+    assert (distance <= SCALE_BOUND).all(), distance.max()
+    spacing = torch.exp2(torch.floor(torch.log2(want_q.abs().clamp_min(2**-6))) - 3)
+    excess = (got_q - want_q).abs() - spacing * 1.0001
+    assert (excess <= 448 * SCALE_BOUND).all(), excess.max()
+    assert (got_q != want_q).float().mean() < 0.05
 
 
 def ws_problem(hidden: int, intermediate: int, layout: str, seed: int = 0):
@@ -76,7 +97,8 @@ def cuda(*tensors):
 
 
 def strided_rows(codes: torch.Tensor) -> torch.Tensor:
-    """``codes`` as rows 8 bytes apart from a multiple of 16: TMA cannot read them (cp.async)."""
+    """``codes`` as rows 8 bytes off a multiple of 16 apart: neither TMA nor 16-byte cp.async
+    reads them (``expert_up_fp8`` runs the Triton kernel instead)."""
     wide = torch.zeros(codes.size(0), codes.size(1) + 8, dtype=codes.dtype, device=codes.device)
     wide[:, : codes.size(1)] = codes
     return wide[:, : codes.size(1)]
@@ -109,7 +131,7 @@ def test_ws_gemm1_matches_its_spec(shape, layout, rows, stages):
         expert_gemm_fp8.expert_up_fp8(*args, out_q, out_s, top_k=top_k, gated=True, config=config)
         outputs.append((out_q.cpu(), out_s.cpu()))
     (got_q, got_s), (again_q, again_s) = outputs
-    assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid)
+    assert_hopper_codes(got_q, got_s, want_q, want_s, valid)
     assert torch.equal(again_q[:valid].view(torch.uint8), got_q[:valid].view(torch.uint8))
     assert torch.equal(again_s[:valid], got_s[:valid])  # deterministic
 
@@ -171,7 +193,7 @@ def test_ws_spec_check_catches_a_wrong_scale():
     args = cuda(x_q, x_s, q13, wrong, offsets, pairs)
     expert_gemm_fp8.expert_up_fp8(*args, out_q, out_s, top_k=top_k, gated=True, config=UP)
     with pytest.raises(AssertionError):
-        assert_neighbouring_codes(out_q.cpu(), out_s.cpu(), want_q, want_s, int(offsets[-1]))
+        assert_hopper_codes(out_q.cpu(), out_s.cpu(), want_q, want_s, int(offsets[-1]))
 
 
 # --------------------------------------------------------------------------- machine code
@@ -255,7 +277,7 @@ def test_ws_kernels_compile_for_sm90_as_designed(layout):
     up = compile_for_sm90(
         ws._up_ws_kernel, None if sorted_ else descriptor(x_q, 128), x_q, H, x_s, H // 128,
         pairs, offsets, descriptor(w13, 128), s13, s13.stride(0), s13.stride(1), act_q, I,
-        act_s, I // 128, L, K, I, H, 10, SORTED=sorted_, GATHER=sorted_,
+        act_s, I // 128, L, K, I, H, 10, SORTED=sorted_,
         **ws._launch_options(L, UP, 128),
     )  # fmt: skip
     down = compile_for_sm90(

@@ -428,9 +428,11 @@ def expert_up_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if config.warp_specialized:
         assert gated, "the warp-specialized GEMM1 is the gated one"
-        return expert_gemm_fp8_ws.expert_up_fp8_ws(
-            x_q, x_s, w13, s13, offsets, pairs, out_q, out_s, top_k=top_k, config=config
-        )
+        if expert_gemm_fp8_ws.tma_readable(x_q):
+            return expert_gemm_fp8_ws.expert_up_fp8_ws(
+                x_q, x_s, w13, s13, offsets, pairs, out_q, out_s, top_k=top_k, config=config
+            )
+        config = expert_gemm_fp8_ws.TRITON_FALLBACK  # rows off 16 bytes: pointer loads
     num_grouped, width = out_q.shape
     num_local, _, depth = w13.shape
     assert config.block_n == BLOCK, "GEMM1 quantizes its result per tile: BLOCK_N = 128"

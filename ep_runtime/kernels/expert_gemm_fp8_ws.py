@@ -39,7 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra import libdevice
 
 from ep_runtime.kernels.expert_tile_parts import row_tiles
 from ep_runtime.kernels.expert_tiles import TileConfig
@@ -51,7 +50,11 @@ WG_ROWS = gl.constexpr(64)  # rows of one consumer's wgmma
 WARPS = gl.constexpr(4)  # per partition (a warpgroup)
 LOADER_REGS = gl.constexpr(40)  # registers per thread of the loader; the consumers get the rest
 KERNEL_REGS = 168  # 65536 registers over three warpgroups (rounded down to 8)
-CONSUMER_REGS = gl.constexpr(232)  # and 3 · 168 − 40 − 232 = 232 to the default partition
+CONSUMER_REGS = gl.constexpr(232)
+# GEMM1 on rows neither TMA nor 16-byte cp.async can read: the Triton kernel's prefill tile
+TRITON_FALLBACK = TileConfig(
+    128, 128, 128, group_m=8, num_warps=8, num_stages=3
+)  # and 3 · 168 − 40 − 232 = 232 to the default partition
 
 
 @gluon.jit
@@ -62,6 +65,15 @@ def _add(a, b):
 @gluon.jit
 def _larger(a, b):
     return gl.maximum(a, b)
+
+
+@gluon.jit
+def _turns():
+    """The two consumers' turn mbarriers (one arrival a phase: the other's MMA issue)."""
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    return turns
 
 
 @gluon.jit
@@ -125,7 +137,7 @@ def _loader(
     stages ``a_bufs [S, TILE_M, 128]``, ``b0_bufs``/``b1_bufs [S, 128, 128]`` (e4m3) and their
     mbarriers ``ready`` (operands landed) and ``empty`` (both consumers done); ``tile``: the
     program's rows ``[row_start, row_end)``, column tile and k-steps."""
-    a_bufs, b0_bufs, b1_bufs, ready, empty = ring
+    a_bufs, b0_bufs, b1_bufs, ready, empty, _ = ring
     row_start, row_end, _, steps = tile
     w_bytes: gl.constexpr = 2 * 128 * 128
     if GATHER:
@@ -162,6 +174,18 @@ def _promoted(acc, part, scale):
 
 
 @gluon.jit
+def _mma_in_turn(a, b, part, turns, i, WG: gl.constexpr):
+    """The consumer's ``i``-th MMA (``a · bᵀ``, fp32, a fresh accumulator), issued only after
+    the other consumer issued its ``i - 1``-th (consumer 0) or ``i``-th (consumer 1): the two
+    alternate on the tensor cores, so each one's promotion runs while the other's MMA does
+    (``turns[w]`` counts the issues consumer ``w`` waits for)."""
+    mbarrier.wait(turns.index(WG), (i + WG + 1) & 1, pred=i + WG > 0)
+    part = warpgroup_mma(a, b.permute((1, 0)), part, use_acc=False, is_async=True)
+    mbarrier.arrive(turns.index(1 - WG), count=1)
+    return warpgroup_mma_wait(0, deps=(part,))
+
+
+@gluon.jit
 def _mainloop(
     ring,
     a_scales,  # [WG_ROWS] pointers to each row's k-step scales
@@ -176,34 +200,34 @@ def _mainloop(
 ):
     """One consumer's k loop: ``(acc0, acc1)`` fp32 ``[WG_ROWS, 128]`` of its rows against the
     two weight tiles, each 128-deep step promoted with its row and block scales."""
-    a_bufs, b0_bufs, b1_bufs, ready, empty = ring
+    a_bufs, b0_bufs, b1_bufs, ready, empty, turns = ring
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 32]
     )
     acc0 = gl.zeros([WG_ROWS, 128], gl.float32, mma)
     acc1 = gl.zeros([WG_ROWS, 128], gl.float32, mma)
-    zero = gl.zeros([WG_ROWS, 128], gl.float32, mma)  # the MMAs' operand: use_acc=False ignores it
+    # the MMAs' result, threaded through the loop as their (ignored: use_acc=False) operand so
+    # every MMA writes the same registers, dead once promoted (a fresh operand or an
+    # accumulator there would cost copies or spills)
+    part = gl.zeros([WG_ROWS, 128], gl.float32, mma)
     live = steps > 0
     row_scale = gl.load(a_scales, mask=ok & live, other=0.0)
     scale0 = gl.load(b0_scales, mask=live, other=0.0)
     scale1 = gl.load(b1_scales, mask=live & has_b1, other=0.0)
     for k in range(steps):
-        more = k + 1 < steps  # the next step's scales load while this step's MMAs run
-        next_row_scale = gl.load(a_scales + k + 1, mask=ok & more, other=0.0)
-        next_scale0 = gl.load(b0_scales + k + 1, mask=more, other=0.0)
-        next_scale1 = gl.load(b1_scales + k + 1, mask=more & has_b1, other=0.0)
         stage = k % S
         mbarrier.wait(ready.index(stage), (k // S) & 1)
         if GATHER:
             fence_async_shared()  # cp.async wrote the rows: order them before the async proxy
+        more = k + 1 < steps  # the next step's scales load while this step's MMAs run (after
+        # the fence, which would otherwise wait for them)
+        next_row_scale = gl.load(a_scales + k + 1, mask=ok & more, other=0.0)
+        next_scale0 = gl.load(b0_scales + k + 1, mask=more, other=0.0)
+        next_scale1 = gl.load(b1_scales + k + 1, mask=more & has_b1, other=0.0)
         a = a_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        part = warpgroup_mma(a, b0_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)  # fmt: skip
-        part = warpgroup_mma_wait(0, deps=(part,))
+        part = _mma_in_turn(a, b0_bufs.index(stage), part, turns, 2 * k, WG)
         acc0 = _promoted(acc0, part, row_scale * scale0)
-        part = warpgroup_mma(a, b1_bufs.index(stage).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)  # fmt: skip
-        part = warpgroup_mma_wait(0, deps=(part,))
+        part = _mma_in_turn(a, b1_bufs.index(stage), part, turns, 2 * k + 1, WG)
         mbarrier.arrive(empty.index(stage), count=1)
         acc1 = _promoted(acc1, part, row_scale * scale1)
         row_scale = next_row_scale
@@ -221,7 +245,6 @@ def _up_consumer(
     output,  # (out, stride_om, outs, stride_osm): q(act) and its scales
     WG: gl.constexpr,
     SORTED: gl.constexpr,
-    GATHER: gl.constexpr,
     S: gl.constexpr,
 ):
     """GEMM1 consumer: its 64 rows against the gate and the up tile, then ``silu(g)·u`` in fp32
@@ -241,13 +264,17 @@ def _up_consumer(
         source = p
     a_scales = xs + source.to(gl.int64) * stride_xsm
     gate, up = _mainloop(
-        ring, a_scales, ok, ws + gate_scales, ws + up_scales, True, steps, WG, GATHER, S
+        ring, a_scales, ok, ws + gate_scales, ws + up_scales, True, steps, WG, SORTED, S
     )
-    act = gate / (1.0 + libdevice.exp(-gate)) * up
-    amax = gl.reduce(gl.abs(act), 1, _larger)
-    scale = gl.div_rn(gl.maximum(amax, 1e-10), 448.0)
-    ratio = gl.div_rn(act, gl.expand_dims(scale, 1))
-    codes = gl.minimum(gl.maximum(ratio, -448.0), 448.0).to(gl.float8e4nv)
+    act = gate / (1.0 + gl.exp(-gate)) * up  # the MUFU exp: libdevice's costs the loop spills
+    # the contract's quantizer with full-range (2 ulp) divisions instead of correctly rounded
+    # ones: div.rn's slow path is a called subroutine, and calls cost the loop its registers
+    # (spills); a quotient an ulp off moves a code to its e4m3 neighbour at most, as the
+    # accumulation order already may
+    floor = gl.maximum(gl.reduce(gl.abs(act), 1, _larger), 1e-10)
+    scale = gl.fdiv(floor, 448.0)
+    inverse = gl.expand_dims(gl.fdiv(448.0, floor), 1)
+    codes = gl.minimum(gl.maximum(act * inverse, -448.0), 448.0).to(gl.float8e4nv)
     n = tile_n * 128 + gl.arange(0, 128, gl.SliceLayout(0, mma))
     p64 = p.to(gl.int64)
     gl.store(out + p64[:, None] * stride_om + n[None, :], codes, mask=ok[:, None])
@@ -263,11 +290,10 @@ def _up_ws_kernel(
     ws, stride_wse, stride_wsn,
     out, stride_om, outs, stride_osm,
     num_local, top_k, width, depth, tiles_m,
-    SORTED: gl.constexpr, GATHER: gl.constexpr, S: gl.constexpr, GROUP_M: gl.constexpr,
-    LP: gl.constexpr,
+    SORTED: gl.constexpr, S: gl.constexpr, GROUP_M: gl.constexpr, LP: gl.constexpr,
 ):  # fmt: skip
-    """Program (128 rows, one 128-column group of I): ``q(act)`` and its scales. GATHER: the
-    rows through ``cp.async`` (SORTED's pairs, or rows TMA cannot read), else through TMA."""
+    """Program (128 rows, one 128-column group of I): ``q(act)`` and its scales. SORTED: the
+    rows gathered through ``cp.async``, else loaded through TMA."""
     tile_n, expert, row_start, row_end, real = _program_tile(
         offsets, num_local, tiles_m, width // 128, 0, TILE_M, GROUP_M, LP, False
     )
@@ -278,20 +304,20 @@ def _up_ws_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(S):
-        mbarrier.init(ready.index(i), count=1 + (32 * WARPS if GATHER else 0))
+        mbarrier.init(ready.index(i), count=1 + (32 * WARPS if SORTED else 0))
         mbarrier.init(empty.index(i), count=2)
     gate_row = expert * 2 * width + tile_n * 128
     scales = expert.to(gl.int64) * stride_wse + tile_n * stride_wsn
     up_scales = scales + (width // 128) * stride_wsn
-    ring = (a_bufs, b0_bufs, b1_bufs, ready, empty)
+    ring = (a_bufs, b0_bufs, b1_bufs, ready, empty, _turns())
     tile = (row_start, row_end, tile_n, steps)
     rows = (xs, stride_xsm, pairs, top_k)
     block_rows = (ws, scales, up_scales)
     output = (out, stride_om, outs, stride_osm)
     gl.warp_specialize(
         [
-            (_up_consumer, (ring, tile, rows, block_rows, output, 0, SORTED, GATHER, S)),
-            (_up_consumer, (ring, tile, rows, block_rows, output, 1, SORTED, GATHER, S)),
+            (_up_consumer, (ring, tile, rows, block_rows, output, 0, SORTED, S)),
+            (_up_consumer, (ring, tile, rows, block_rows, output, 1, SORTED, S)),
             (
                 _loader,
                 (
@@ -305,7 +331,7 @@ def _up_ws_kernel(
                     gate_row + width,
                     ring,
                     tile,
-                    GATHER,
+                    SORTED,
                     SORTED,
                     S,
                 ),
@@ -392,7 +418,7 @@ def _down_ws_kernel(
         mbarrier.init(empty.index(i), count=2)
     b0_row = expert * width + tile_n * 256
     scales0 = expert.to(gl.int64) * stride_wse + (tile_n * 2) * stride_wsn
-    ring = (a_bufs, b0_bufs, b1_bufs, ready, empty)
+    ring = (a_bufs, b0_bufs, b1_bufs, ready, empty, _turns())
     tile = (row_start, row_end, tile_n, steps)
     rows = (acts, stride_asm, pairs, top_k)
     block_rows = (ws, scales0, scales0 + stride_wsn, tile_n * 256 + 128 < width)
@@ -432,13 +458,14 @@ def _down_ws_kernel(
 def _e4m3_descriptor(codes: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """TMA descriptor of 2-D e4m3 ``codes`` (columns contiguous, rows 16-byte aligned) in boxes
     of ``block_rows`` × 128, 128-byte swizzled (the wgmma operand layout)."""
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, BLOCK], gl.float8e4nv)
-    return TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [block_rows, BLOCK],
-                            layout)  # fmt: skip
+    block = [block_rows, BLOCK]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return TensorDescriptor(codes, list(codes.shape), list(codes.stride()), block, layout)
 
 
 def tma_readable(codes: torch.Tensor) -> bool:
-    """Whether TMA can read ``codes`` (2-D e4m3 rows, in boxes of 128 columns)."""
+    """Whether TMA (contiguous rows) and 16-byte ``cp.async`` (gathered rows) can read ``codes``
+    (2-D e4m3 rows): row base and stride multiples of 16 bytes."""
     rows, cols = codes.shape
     return (
         rows > 0
@@ -453,12 +480,12 @@ def _launch_options(num_local: int, config: TileConfig, block_n: int) -> dict:
     """Launch options of a ``warp_specialized`` config (its tile is fixed: 128 rows, ``block_n``
     columns, 128-deep steps)."""
     fixed = (config.block_m, config.block_n, config.block_k, config.num_warps)
-    assert config.warp_specialized and fixed == (TILE_M, block_n, BLOCK, WARPS), config
+    assert config.warp_specialized and fixed == (TILE_M.value, block_n, BLOCK, WARPS.value), config
     return {
         "S": config.num_stages,
         "GROUP_M": config.group_m,
         "LP": pow2(num_local),
-        "num_warps": WARPS,
+        "num_warps": WARPS.value,
         "maxnreg": KERNEL_REGS,
     }
 
@@ -481,16 +508,16 @@ def expert_up_fp8_ws(
     num_local, _, depth = w13.shape
     if num_grouped == 0 or width == 0:
         return out_q, out_s
-    tiles_m = row_tiles(num_grouped, num_local, TILE_M)
+    tiles_m = row_tiles(num_grouped, num_local, TILE_M.value)
     w_desc = _e4m3_descriptor(w13.view(-1, depth), 128)
-    gather = pairs is not None or not tma_readable(x_q)
-    x_desc = None if gather else _e4m3_descriptor(x_q, TILE_M)
+    assert tma_readable(x_q), "rows 16-byte aligned (expert_up_fp8 falls back otherwise)"
+    x_desc = None if pairs is not None else _e4m3_descriptor(x_q, TILE_M.value)
     grid = (tiles_m * (width // BLOCK),)
     _up_ws_kernel[grid](
         x_desc, x_q, x_q.stride(0), x_s, x_s.stride(0), offsets if pairs is None else pairs,
         offsets, w_desc, s13, s13.stride(0), s13.stride(1), out_q, out_q.stride(0), out_s,
         out_s.stride(0), num_local, top_k, width, depth, tiles_m, SORTED=pairs is not None,
-        GATHER=gather, **_launch_options(num_local, config, BLOCK),
+        **_launch_options(num_local, config, BLOCK),
     )  # fmt: skip
     return out_q, out_s
 
@@ -515,10 +542,11 @@ def expert_down_fp8_ws(
         if pairs is None:
             out.zero_()
         return out
-    tiles_m = row_tiles(num_grouped, num_local, TILE_M)
+    tiles_m = row_tiles(num_grouped, num_local, TILE_M.value)
     grid = (tiles_m * cdiv(width, 2 * BLOCK),)
+    a_desc = _e4m3_descriptor(a_q, TILE_M.value)
     _down_ws_kernel[grid](
-        _e4m3_descriptor(a_q, TILE_M), a_s, a_s.stride(0), offsets if pairs is None else pairs,
+        a_desc, a_s, a_s.stride(0), offsets if pairs is None else pairs,
         offsets, _e4m3_descriptor(w2.view(-1, depth), 128), s2, s2.stride(0), s2.stride(1),
         weights, weights.stride(0), weights.stride(1), out, out.stride(0), num_local,
         weights.size(1), width, depth, tiles_m, out.size(0), SORTED=pairs is not None,
