@@ -1,9 +1,13 @@
 """The tuning command's table merge: token counts that share one entry get one config
-that serves them all (hand-computed winners over synthetic timings)."""
+that serves them all (hand-computed winners over synthetic timings); the shipped entry a run
+times beside its candidates."""
 
 from __future__ import annotations
 
-from ep_runtime.bench.tune_experts import merge, shared_best
+from fractions import Fraction
+
+from ep_runtime.bench.tune_experts import SHAPES, merge, shared_best, shipped_entry
+from ep_runtime.kernels.expert_tiles import TileConfig
 
 A = {"block_m": 16, "block_n": 64}
 B = {"block_m": 16, "block_n": 128}
@@ -50,3 +54,26 @@ def test_merge_groups_points_by_key_and_bucket() -> None:
     # bucket 1 up: A 2.5 vs B 3.0; down: A 1.0+2.0=3.0 vs B 1.1+1.0=2.1.
     assert merged["up:k"] == {"64": B, "1": A, "16": C}
     assert merged["down:k"] == {"1": B, "16": C}
+
+
+def test_shipped_entry_is_the_exact_key_and_bucket_of_this_gpu() -> None:
+    shape = SHAPES["deepseek-v3-ep8-shard"]
+    up = TileConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
+    down = TileConfig(64, 128, 128, group_m=32, num_warps=4, num_stages=4, tma=True)
+    document = {
+        "devices": {
+            "GPU": {
+                "fp8_up_L32_N2048_K7168_gated": {"1024": up.to_json()},
+                "fp8_down_L32_N7168_K2048": {"1024": down.to_json()},
+                "up_L32_N2048_K7168_gated": {"1024": down.to_json()},
+            }
+        }
+    }
+    bucket = Fraction(1024)
+    assert shipped_entry(document, "GPU", "up", shape, bucket, fp8=True) == up
+    assert shipped_entry(document, "GPU", "down", shape, bucket, fp8=True) == down
+    assert shipped_entry(document, "GPU", "up", shape, bucket, fp8=False) == down  # bf16 key
+    # another bucket, another GPU, no table: nothing (the nearest bucket is not the shipped one)
+    assert shipped_entry(document, "GPU", "up", shape, Fraction(256), fp8=True) is None
+    assert shipped_entry(document, "Other GPU", "up", shape, bucket, fp8=True) is None
+    assert shipped_entry({}, "GPU", "up", shape, bucket, fp8=True) is None

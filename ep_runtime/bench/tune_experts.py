@@ -6,7 +6,8 @@ entries are keyed apart (prefix ``fp8_``).
 
 For each model shape and token count, routes T tokens (balanced random, distinct experts per
 token, world size 1, STANDARD layout: rows gathered through the sorted pairs), times every
-candidate config of each GEMM (``expert_up``, ``expert_down``) on the device alone (CUDA graphs of
+candidate config of each GEMM (``expert_up``, ``expert_down``), and the table's own entry for the
+point, on the device alone (CUDA graphs of
 several calls, L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at
 decode mostly times the host's launch), checks the winner against the kernels' torch spec, and
 merges the best per (GEMM, L, N, K, rows-per-expert bucket) into the table shipped in the
@@ -201,16 +202,7 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
     ]
     chosen = decode if bucket <= 16 else middle + prefill[:3] if bucket <= 64 else prefill
     fitting = [c for c in chosen if gemm == "down" or c.block_n == 128]
-    triton = fitting + [dataclasses.replace(c, tma=True) for c in fitting]
-    if bucket <= 64 or torch.cuda.get_device_capability() != (9, 0):
-        return triton
-    # the SM90 warp-specialized kernels: fixed 128-row tiles (128 columns in GEMM1, 256 in
-    # GEMM2), a ring of 3 or 4 stages, the tile order's group
-    width = 128 if gemm == "up" else 256
-    return triton + [
-        TileConfig(128, width, 128, group_m, 4, stages, warp_specialized=True)
-        for group_m, stages in ((8, 4), (16, 4), (8, 3), (32, 4))
-    ]
+    return fitting + [dataclasses.replace(c, tma=True) for c in fitting]
 
 
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
@@ -293,34 +285,32 @@ def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     }
 
 
-KERNELS = {False: "triton", True: "warp-specialized"}
-
-
-def shipped_entry(gemm: str, shape: Shape, bucket: Fraction, fp8: bool) -> TileConfig | None:
-    """The table's entry for exactly this (GEMM, shape, bucket) on this GPU, if any."""
+def shipped_entry(
+    document: dict, device_name: str, gemm: str, shape: Shape, bucket: Fraction, fp8: bool
+) -> TileConfig | None:
+    """The table's entry for exactly this (GEMM, shape, rows bucket) on ``device_name``."""
     n, k = (
         (shape.intermediate, shape.hidden) if gemm == "up" else (shape.hidden, shape.intermediate)
     )
     key = shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8)
-    entries = parse_table(json.loads(table_path().read_text())).get(torch.cuda.get_device_name())
-    return (entries or {}).get(key, {}).get(bucket)
+    return parse_table(document).get(device_name, {}).get(key, {}).get(bucket)
 
 
 def tune_point(
-    shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool, kernels: str = "all"
+    shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool, shipped: dict
 ) -> dict:
-    """Best config of each GEMM for (shape, T), with every candidate's time (``kernels``:
-    only the Triton or only the warp-specialized candidates, besides the shipped entry)."""
+    """Best config of each GEMM for (shape, T), with every candidate's time; the entry the
+    ``shipped`` table holds for the point is timed too (a run never writes a slower one)."""
     runs = _runs(shape, tokens, device, fp8)
     bucket = rows_bucket(tokens * shape.top_k, shape.num_local)
     result: dict = {"shape": shape.name, "tokens": tokens, "bucket": str(bucket), "fp8": fp8}
+    device_name = torch.cuda.get_device_name(device)
     for gemm, (run, got, want, rows) in runs.items():
         timings = {}
         tried = fp8_candidates(bucket, gemm) if fp8 else candidates(bucket)
-        tried = [c for c in tried if kernels in ("all", KERNELS[c.warp_specialized])]
-        shipped = shipped_entry(gemm, shape, bucket, fp8)
-        if shipped is not None and shipped not in tried:
-            tried.append(shipped)  # a run never writes a config slower than the shipped one
+        entry = shipped_entry(shipped, device_name, gemm, shape, bucket, fp8)
+        if entry is not None and entry not in tried:
+            tried.append(entry)
         for config in tried:
             try:
                 timings[config] = device_ms(lambda c=config, run=run: run(c), iters)
@@ -390,12 +380,6 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="tune the bf16 GEMMs (none) or the fp8 block-scale GEMMs",
     )
-    parser.add_argument(
-        "--kernels",
-        choices=("all", *KERNELS.values()),
-        default="all",
-        help="the candidates to time besides the shipped entry (warp-specialized: fp8, SM90)",
-    )
     parser.add_argument("--table", type=Path, default=table_path(), help="the table to update")
     parser.add_argument("--json", type=Path, help="also write every candidate's time here")
     args = parser.parse_args(argv)
@@ -405,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     device_name = torch.cuda.get_device_name(device)
     document = json.loads(args.table.read_text()) if args.table.exists() else {}
+    shipped = json.loads(json.dumps(document))  # the entries before this run merges its own
     document["command"] = "python -m ep_runtime.bench.tune_experts [--quantization fp8_block]"
     results = []
     for name in args.shapes:
         for tokens in args.tokens:
             fp8 = args.quantization == "fp8_block"
-            results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8, args.kernels))
+            results.append(tune_point(SHAPES[name], tokens, device, args.iters, fp8, shipped))
             merge(document, device_name, results)  # written as it goes: a cut run keeps it
             args.table.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     if args.json is not None:

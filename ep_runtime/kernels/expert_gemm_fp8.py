@@ -15,8 +15,6 @@ The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 ke
 
 A config's ``tma`` loads the weights, and rows that lie contiguous (GEMM2's ``q(act)``, GEMM1's
 rows in EXPANDED), through TMA descriptors built on the host; gathered rows keep pointer loads.
-A ``warp_specialized`` config runs the Hopper kernels of ``kernels/expert_gemm_fp8_ws.py``
-instead (same contract and specs; compiled only, so never chosen under the interpreter).
 
 Deterministic (fixed order, no atomics), static grid, nothing read on the host.
 """
@@ -28,7 +26,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ep_runtime.kernels import expert_gemm_fp8_ws
 from ep_runtime.kernels.expert_gemm import activation_spec, nonempty_groups
 from ep_runtime.kernels.expert_tile_parts import (
     activated,
@@ -426,13 +423,6 @@ def expert_up_fp8(
     gated: bool,
     config: TileConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if config.warp_specialized:
-        assert gated, "the warp-specialized GEMM1 is the gated one"
-        if expert_gemm_fp8_ws.tma_readable(x_q):
-            return expert_gemm_fp8_ws.expert_up_fp8_ws(
-                x_q, x_s, w13, s13, offsets, pairs, out_q, out_s, top_k=top_k, config=config
-            )
-        config = expert_gemm_fp8_ws.TRITON_FALLBACK  # rows off 16 bytes: pointer loads
     num_grouped, width = out_q.shape
     num_local, _, depth = w13.shape
     assert config.block_n == BLOCK, "GEMM1 quantizes its result per tile: BLOCK_N = 128"
@@ -462,10 +452,6 @@ def expert_down_fp8(
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    if config.warp_specialized:
-        return expert_gemm_fp8_ws.expert_down_fp8_ws(
-            a_q, a_s, w2, s2, offsets, pairs, weights, out, config=config
-        )
     num_grouped, depth = a_q.shape
     num_local, width, _ = w2.shape
     launch = down_launch(num_grouped, num_local, width, pairs, out, config)

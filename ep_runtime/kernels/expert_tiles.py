@@ -33,11 +33,7 @@ class TileConfig:
     only): the weights, and rows that lie contiguous (GEMM2's; GEMM1's in EXPANDED), load
     through the Tensor Memory Accelerator instead of per-thread pointers. The tuner times
     GEMM1 in STANDARD (rows gathered, weights alone through TMA); in EXPANDED the same entry
-    also loads its rows through TMA, which is tested but was not timed.
-    ``warp_specialized`` (the fp8 GEMMs on SM90 only, gated GEMM1): the Gluon kernels of
-    ``kernels/expert_gemm_fp8_ws.py`` (a loader and two consumer warpgroups per program, 128
-    rows × 128 columns in GEMM1, × 256 in GEMM2; ``num_stages`` is the depth of their ring of
-    shared-memory stages, ``group_m`` their tile order as here)."""
+    also loads its rows through TMA, which is tested but was not timed."""
 
     block_m: int
     block_n: int
@@ -48,7 +44,6 @@ class TileConfig:
     swap: bool = False
     tiles_n: int = 1
     tma: bool = False
-    warp_specialized: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
