@@ -6,10 +6,10 @@ entries are keyed apart (prefix ``fp8_``).
 
 For each model shape and token count, routes T tokens (balanced random, distinct experts per
 token, world size 1, STANDARD layout: rows gathered through the sorted pairs), times every
-candidate config of each GEMM (``expert_up``, ``expert_down``), and the table's own entry for the
-point, on the device alone (CUDA graphs of
-several calls, L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at
-decode mostly times the host's launch), checks the winner against the kernels' torch spec, and
+candidate config of each GEMM (``expert_up``, ``expert_down``) and the table's own entry for the
+point (so a run never writes a slower config) on the device alone (CUDA graphs of several calls,
+L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at decode mostly
+times the host's launch), checks the winner against the kernels' torch spec, and
 merges the best per (GEMM, L, N, K, rows-per-expert bucket) into the table shipped in the
 package (``ep_runtime/kernels/expert_tiles.json``), under this GPU's name; token counts sharing
 a bucket get the config best over all of them. One CUDA GPU.
