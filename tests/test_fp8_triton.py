@@ -145,14 +145,18 @@ SCALE_BOUND = 2.0**-11 if CUDA else 1e-5
 
 def assert_neighbouring_codes(got_q, got_s, want_q, want_s, valid_rows: int) -> None:
     """Scales within the accumulation's rounding of the spec's and each element on the spec's
-    e4m3 value or a neighbour (another summation order), few of them off."""
+    e4m3 value or a neighbour (another summation order), few of them off. Beyond the neighbour a
+    code may also move by the accumulation's error, which is relative to the row's range (448
+    codes), not to the code: on the H200 one code of 3328 near 0.018 landed 3 spacings (0.006
+    codes) from the spec's at two column tiles."""
     got_q, want_q = got_q[:valid_rows].float(), want_q[:valid_rows].float()
     got_s, want_s = got_s[:valid_rows], want_s[:valid_rows]
     assert torch.isfinite(got_s).all()
     distance = (got_s - want_s).abs() / want_s
     assert (distance <= SCALE_BOUND).all(), distance.max()
     spacing = torch.exp2(torch.floor(torch.log2(want_q.abs().clamp_min(2**-6))) - 3)
-    assert ((got_q - want_q).abs() <= spacing * 1.0001).all()
+    excess = (got_q - want_q).abs() - spacing * 1.0001
+    assert (excess <= 448 * SCALE_BOUND).all(), excess.max()
     assert (got_q != want_q).float().mean() < 0.05
 
 
