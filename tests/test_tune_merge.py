@@ -1,13 +1,13 @@
 """The tuning command's table merge: token counts that share one entry get one config
-that serves them all (hand-computed winners over synthetic timings); the shipped entry a run
-times beside its candidates."""
+that serves them all (hand-computed winners over synthetic timings); the keys under which a
+run finds the shipped entry it times beside its candidates."""
 
 from __future__ import annotations
 
 from fractions import Fraction
 
-from ep_runtime.bench.tune_experts import SHAPES, merge, shared_best, shipped_entry
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.bench.tune_experts import SHAPES, gemm_key, merge, shared_best
+from ep_runtime.kernels.expert_tiles import TileConfig, parse_table
 
 A = {"block_m": 16, "block_n": 64}
 B = {"block_m": 16, "block_n": 128}
@@ -57,6 +57,7 @@ def test_merge_groups_points_by_key_and_bucket() -> None:
 
 
 def test_shipped_entry_is_the_exact_key_and_bucket_of_this_gpu() -> None:
+    """What ``tune_point`` looks up: this GPU's parsed table, at the GEMM's key and bucket."""
     shape = SHAPES["deepseek-v3-ep8-shard"]
     up = TileConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
     down = TileConfig(64, 128, 128, group_m=32, num_warps=4, num_stages=4, tma=True)
@@ -70,10 +71,14 @@ def test_shipped_entry_is_the_exact_key_and_bucket_of_this_gpu() -> None:
         }
     }
     bucket = Fraction(1024)
-    assert shipped_entry(document, "GPU", "up", shape, bucket, fp8=True) == up
-    assert shipped_entry(document, "GPU", "down", shape, bucket, fp8=True) == down
-    assert shipped_entry(document, "GPU", "up", shape, bucket, fp8=False) == down  # bf16 key
+
+    def shipped(gpu: str, gemm: str, at: Fraction, fp8: bool, table: dict = document):
+        return parse_table(table).get(gpu, {}).get(gemm_key(gemm, shape, fp8), {}).get(at)
+
+    assert shipped("GPU", "up", bucket, fp8=True) == up
+    assert shipped("GPU", "down", bucket, fp8=True) == down
+    assert shipped("GPU", "up", bucket, fp8=False) == down  # bf16 key
     # another bucket, another GPU, no table: nothing (the nearest bucket is not the shipped one)
-    assert shipped_entry(document, "GPU", "up", shape, Fraction(256), fp8=True) is None
-    assert shipped_entry(document, "Other GPU", "up", shape, bucket, fp8=True) is None
-    assert shipped_entry({}, "GPU", "up", shape, bucket, fp8=True) is None
+    assert shipped("GPU", "up", Fraction(256), fp8=True) is None
+    assert shipped("Other GPU", "up", bucket, fp8=True) is None
+    assert shipped("GPU", "up", bucket, fp8=True, table={}) is None

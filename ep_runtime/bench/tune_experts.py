@@ -285,30 +285,33 @@ def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     }
 
 
-def shipped_entry(
-    document: dict, device_name: str, gemm: str, shape: Shape, bucket: Fraction, fp8: bool
-) -> TileConfig | None:
-    """The table's entry for exactly this (GEMM, shape, rows bucket) on ``device_name``."""
+def gemm_key(gemm: str, shape: Shape, fp8: bool) -> str:
+    """The table key of ``gemm`` (``up``: N = I, K = H, gated; ``down``: N = H, K = I)."""
     n, k = (
         (shape.intermediate, shape.hidden) if gemm == "up" else (shape.hidden, shape.intermediate)
     )
-    key = shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8)
-    return parse_table(document).get(device_name, {}).get(key, {}).get(bucket)
+    return shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8)
 
 
 def tune_point(
-    shape: Shape, tokens: int, device: torch.device, iters: int, fp8: bool, shipped: dict
+    shape: Shape,
+    tokens: int,
+    device: torch.device,
+    iters: int,
+    fp8: bool,
+    shipped: dict[str, dict[Fraction, TileConfig]],
 ) -> dict:
-    """Best config of each GEMM for (shape, T), with every candidate's time; the entry the
-    ``shipped`` table holds for the point is timed too (a run never writes a slower one)."""
+    """Best config of each GEMM for (shape, T), with every candidate's time; the entry
+    ``shipped`` (this GPU's table before the run) holds for the point is timed too (a run never
+    writes a slower one)."""
     runs = _runs(shape, tokens, device, fp8)
     bucket = rows_bucket(tokens * shape.top_k, shape.num_local)
     result: dict = {"shape": shape.name, "tokens": tokens, "bucket": str(bucket), "fp8": fp8}
-    device_name = torch.cuda.get_device_name(device)
     for gemm, (run, got, want, rows) in runs.items():
         timings = {}
         tried = fp8_candidates(bucket, gemm) if fp8 else candidates(bucket)
-        entry = shipped_entry(shipped, device_name, gemm, shape, bucket, fp8)
+        key = gemm_key(gemm, shape, fp8)
+        entry = shipped.get(key, {}).get(bucket)
         if entry is not None and entry not in tried:
             tried.append(entry)
         for config in tried:
@@ -322,13 +325,8 @@ def tune_point(
         error = diff.norm() / want[rows].float().norm()
         if not error < 2e-2:
             raise AssertionError(f"{shape.name} T={tokens} {gemm} {best}: relative error {error}")
-        n, k = (
-            (shape.intermediate, shape.hidden)
-            if gemm == "up"
-            else (shape.hidden, shape.intermediate)
-        )
         result[gemm] = {
-            "key": shape_key(gemm, shape.num_local, n, k, gated=True, fp8=fp8),
+            "key": key,
             "best": best.to_json(),
             "best_ms": timings[best],
             "rel_error": float(error),
@@ -389,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     device_name = torch.cuda.get_device_name(device)
     document = json.loads(args.table.read_text()) if args.table.exists() else {}
-    shipped = json.loads(json.dumps(document))  # the entries before this run merges its own
+    shipped = parse_table(document).get(device_name, {})  # before this run merges its own
     document["command"] = "python -m ep_runtime.bench.tune_experts [--quantization fp8_block]"
     results = []
     for name in args.shapes:
