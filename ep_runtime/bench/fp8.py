@@ -1,8 +1,10 @@
 """The fp8 block-scale layer beside the bf16 layer: ``python -m ep_runtime.bench.fp8`` (one CUDA
-GPU, world size 1, ``experts="triton"``, STANDARD, K = 8, balanced routing; ``--dispatcher``
+GPU, world size 1, STANDARD, K = 8, balanced routing; ``--dispatcher``
 ``torch_a2a`` (the default, as every earlier figure) or ``local``, the one ``"auto"`` takes at a
 world of one).
 
+Each point runs with both layers on the ``triton`` experts; the prefill point also with what
+``"auto"`` takes there (fp8: ``scaled_mm``, cuBLAS's block-scaled GEMMs; bf16: ``grouped_mm``).
 Per point, in one run: weights generated in bf16 and quantized per 128×128 block; the fp8 layer
 (fp8 dispatch: rows sent as e4m3 + scales) on the quantized weights and the bf16 layer on the
 same weights dequantized. Decode points (T = 128, capacity mode) are timed replayed as CUDA
@@ -39,6 +41,15 @@ POINTS = (
     Point("qwen3-30b-a3b-decode", 128, 128, 2048, 768, 8, "capacity", "standard"),
     Point("deepseek-v3-ep8-shard-prefill", 32, 4096, 7168, 2048, 8, "exact", "standard"),
 )
+# (point, fp8 experts, bf16 experts): the prefill point with each layer's Triton experts, then
+# with what "auto" takes there (fp8: cuBLAS's block-scaled GEMMs; bf16: grouped_mm)
+RUNS = (
+    (POINTS[0], "triton", "triton"),
+    (POINTS[1], "triton", "triton"),
+    (POINTS[2], "triton", "triton"),
+    (POINTS[2], "scaled_mm", "triton"),
+    (POINTS[2], "scaled_mm", "grouped_mm"),
+)
 SAMPLE = 64  # tokens checked against the twin
 GRAPH_FORWARDS = 10  # forwards in one graph for the in-graph time (a captured model's layers)
 BACK_TO_BACK = 20  # eager forwards issued without a sync (a model's layers)
@@ -47,6 +58,8 @@ BACK_TO_BACK = 20  # eager forwards issued without a sync (a model's layers)
 @dataclass
 class Fp8Row:
     point: str
+    fp8_experts: str
+    bf16_experts: str
     bf16_ms: float
     fp8_ms: float
     ratio: float
@@ -75,7 +88,13 @@ def timed_forward(layer: EPMoE, x, ids, weights, graph: bool) -> tuple[torch.Ten
     return out, graph_replay_ms(forward, out), graph_replay_ms(forward, out, GRAPH_FORWARDS)
 
 
-def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
+def measure(
+    point: Point,
+    device: torch.device,
+    fp8_experts: str = "triton",
+    bf16_experts: str = "triton",
+    **layer_options,
+) -> Fp8Row:
     """One point's row; ``layer_options`` (dispatcher, forward_graphs) build both layers.
     Exact mode checks the ids on the device (as the sweep and the transformers blocks do), so
     no host read ends a forward."""
@@ -85,7 +104,7 @@ def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
     q2, s2 = quantize_weight_blocks(w2)
     del w13, w2
     graph = point.mode == "capacity"
-    fp8 = build_layer(point, device, experts="triton", quantization="fp8_block", **layer_options)
+    fp8 = build_layer(point, device, experts=fp8_experts, quantization="fp8_block", **layer_options)
     try:
         fp8.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
         out_fp8, fp8_ms, fp8_many = timed_forward(fp8, x, ids, weights, graph)
@@ -100,7 +119,7 @@ def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
         twin.close()
     tolerance = tolerance_for(BF16, max(point.hidden, point.intermediate))
     comparison = compare_per_token(out_fp8[sample], ref.double(), tolerance)
-    bf16 = build_layer(point, device, experts="triton", **layer_options)
+    bf16 = build_layer(point, device, experts=bf16_experts, **layer_options)
     try:
         bf16.load_weights(
             dequantize_weight_blocks(q13, s13).to(BF16), dequantize_weight_blocks(q2, s2).to(BF16)
@@ -112,6 +131,8 @@ def measure(point: Point, device: torch.device, **layer_options) -> Fp8Row:
     rows = [RowFormat(point.hidden, BF16, point.top_k, quantized=q).row_bytes for q in (0, 1)]
     return Fp8Row(
         point.name,
+        fp8_experts,
+        bf16_experts,
         bf16_ms,
         fp8_ms,
         fp8_ms / bf16_ms,
@@ -141,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.dispatcher}, forward graphs {args.forward_graphs}"
     )
     options = {"dispatcher": args.dispatcher, "forward_graphs": args.forward_graphs == "on"}
-    header = f"{'point':32} {'bf16 ms':>9} {'fp8 ms':>9} {'ratio':>6} {'timed':>6}"
+    header = (
+        f"{'point [fp8 / bf16 experts]':54} {'bf16 ms':>9} {'fp8 ms':>9} {'ratio':>6} {'timed':>6}"
+    )
     print(
         f"'many' = per forward of {GRAPH_FORWARDS} in one graph (graph rows) or of "
         f"{BACK_TO_BACK} eager forwards issued back to back (eager rows)"
@@ -149,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     many_header = "many: bf16/fp8 ms, ratio"
     print(f"{header}  {many_header:34}  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes")
     rows = []
-    for point in POINTS:
-        row = measure(point, device, **options)
+    for point, fp8_experts, bf16_experts in RUNS:
+        row = measure(point, device, fp8_experts, bf16_experts, **options)
         rows.append(row)
+        label = f"{row.point} [{fp8_experts} / {bf16_experts}]"
         many = f"{row.bf16_ms_many:9.4f} {row.fp8_ms_many:9.4f} {row.ratio_many:6.3f}"
         print(
-            f"{row.point:32} {row.bf16_ms:9.4f} {row.fp8_ms:9.4f} {row.ratio:6.3f} "
+            f"{label:54} {row.bf16_ms:9.4f} {row.fp8_ms:9.4f} {row.ratio:6.3f} "
             f"{row.timed:>6}  {many:34}  {'pass' if row.twin_passed else 'FAIL'} "
             f"{row.twin_max_rel_err:.2e}   {row.distance_median:.2e} / {row.distance_max:.2e}"
             f"     {row.bf16_row_bytes}/{row.fp8_row_bytes}"

@@ -16,7 +16,7 @@ import torch
 
 from ep_runtime.config import MoEConfig
 from ep_runtime.placement import ExpertPlacement
-from ep_runtime.quantization import Fp8BlockWeights, Quantization
+from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
 from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
 
@@ -136,6 +136,41 @@ def check_expert_weights(
     expected2 = (num_experts, H, I)
     if tuple(w2.shape) != expected2:
         raise EPInputError("w2", f"shape {list(expected2)}", list(w2.shape))
+
+
+class WorkBuffers:
+    """Named work buffers of one backend: each grows to the largest request and is reused
+    across forwards (``clear`` drops them, so a CUDA graph captured next owns its own)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._held: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, width]`` view of buffer ``name``."""
+        held = self._held.get(name)
+        if held is None or held.size(0) < rows:
+            held = torch.empty(max(rows, 1), width, dtype=dtype, device=self.device)
+            self._held[name] = held
+        return held[:rows]
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def quantized_rows(
+    dispatched: Dispatched, buffers: WorkBuffers
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q(x)``: ``([R, H] e4m3, [R, H/128] fp32)``, as dispatched (fp8 dispatch) or quantized
+    here into ``buffers`` (one launch of ``kernels/fp8_quant.py``)."""
+    hidden = dispatched.hidden_states
+    if dispatched.hidden_states_scale is not None:
+        return hidden, dispatched.hidden_states_scale
+    from ep_runtime.kernels.fp8_quant import triton_quantize_rows
+
+    rows, width = hidden.shape
+    q = buffers.get("x_q", rows, width, FP8_DTYPE)
+    return triton_quantize_rows(hidden, q, buffers.get("x_s", rows, width // BLOCK, torch.float32))
 
 
 EXPERTS: Registry[type[Experts]] = Registry("experts")

@@ -35,7 +35,9 @@ from ep_runtime.experts.base import (
     Experts,
     ExpertsCapabilities,
     ExpertsSetup,
+    WorkBuffers,
     cuda_arch,
+    quantized_rows,
 )
 from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
@@ -126,7 +128,7 @@ class TritonExperts(Experts):
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.interpret = device.type == "cpu"
         self._configs: dict[int, tuple] = {}  # rows-per-expert bucket -> (up, down) configs
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.buffers = WorkBuffers(device)
         self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=device)
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -156,15 +158,7 @@ class TritonExperts(Experts):
         )
 
     def release_workspace(self) -> None:
-        self._buffers.clear()
-
-    def _buffer(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[rows, width]`` view of a buffer that grows to the largest request and is reused."""
-        held = self._buffers.get(name)
-        if held is None or held.size(0) < rows:
-            held = torch.empty(max(rows, 1), width, dtype=dtype, device=self.setup.device)
-            self._buffers[name] = held
-        return held[:rows]
+        self.buffers.clear()
 
     def _tile_configs(self, served_pairs: int) -> tuple:
         """(up, down) tile configs for about ``served_pairs`` grouped rows (cached per bucket)."""
@@ -200,16 +194,6 @@ class TritonExperts(Experts):
             self._configs[bucket] = configs
         return configs
 
-    def _quantized_rows(self, dispatched: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q(x)``: ``([R, H] e4m3, [R, H/128] fp32)``, as dispatched or quantized here."""
-        hidden = dispatched.hidden_states
-        if dispatched.hidden_states_scale is not None:
-            return hidden, dispatched.hidden_states_scale
-        rows = hidden.size(0)
-        q = self._buffer("x_q", rows, self.hidden, FP8_DTYPE)
-        s = self._buffer("x_s", rows, self.hidden // BLOCK, torch.float32)
-        return self._quant.triton_quantize_rows(hidden, q, s)
-
     def _up(
         self,
         dispatched: Dispatched,
@@ -222,7 +206,7 @@ class TritonExperts(Experts):
         """GEMM1 into reused buffers: ``act [P, I]`` (bf16 path) or ``(q(act) [P, I] e4m3,
         scales [P, I/128] fp32)`` (fp8 path)."""
         if self.fp8 is None:
-            act = self._buffer("act", num_grouped, self.intermediate, self.setup.dtype)
+            act = self.buffers.get("act", num_grouped, self.intermediate, self.setup.dtype)
             return self._gemm.expert_up(
                 dispatched.hidden_states,
                 self.w13,
@@ -233,9 +217,9 @@ class TritonExperts(Experts):
                 gated=self.gated,
                 config=config,
             )
-        act_q = self._buffer("act_q", num_grouped, self.intermediate, FP8_DTYPE)
-        act_s = self._buffer("act_s", num_grouped, self.intermediate // BLOCK, torch.float32)
-        x_q, x_s = self._quantized_rows(dispatched)
+        act_q = self.buffers.get("act_q", num_grouped, self.intermediate, FP8_DTYPE)
+        act_s = self.buffers.get("act_s", num_grouped, self.intermediate // BLOCK, torch.float32)
+        x_q, x_s = quantized_rows(dispatched, self.buffers)
         w = self.fp8
         return self._gemm_fp8.expert_up_fp8(
             x_q,
@@ -272,7 +256,7 @@ class TritonExperts(Experts):
         hidden = dispatched.hidden_states  # [R, H]
         num_rows = hidden.size(0)
         dtype = self.setup.dtype
-        out = self._buffer("out", num_rows, self.hidden, dtype)  # [R, H]
+        out = self.buffers.get("out", num_rows, self.hidden, dtype)  # [R, H]
         if num_rows == 0:
             return out
         if dispatched.layout is TopkLayout.EXPANDED:
@@ -284,7 +268,7 @@ class TritonExperts(Experts):
         ids = dispatched.topk_ids  # [R, K]
         top_k = ids.size(1)
         num_pairs = num_rows * top_k
-        pairs = self._buffer("pairs", num_pairs, 1, torch.int32).view(-1)  # [R·K]
+        pairs = self.buffers.get("pairs", num_pairs, 1, torch.int32).view(-1)  # [R·K]
         rows = self._rows
         rows.sort_pairs(
             ids, pairs, self._offsets, local_offset=self.local_offset, num_local=self.num_local
@@ -293,7 +277,7 @@ class TritonExperts(Experts):
         served = num_rows * max(1, min(top_k, top_k * self.num_local // self.placement.num_experts))
         up, down = self._tile_configs(served)
         act = self._up(dispatched, self._offsets, pairs, num_pairs, top_k, up)  # [R·K, I]
-        per_pair = self._buffer("per_pair", num_pairs, self.hidden, dtype)  # [R·K, H]
+        per_pair = self.buffers.get("per_pair", num_pairs, self.hidden, dtype)  # [R·K, H]
         self._down(act, self._offsets, pairs, dispatched.topk_weights, per_pair, down)
         return rows.sum_slots(
             per_pair, ids, out, local_offset=self.local_offset, num_local=self.num_local

@@ -15,6 +15,7 @@ CUDA_ONLY = (
     "flashinfer_trtllm",
     "flashinfer_trtllm_fp8",
     "flashinfer_cutlass",
+    "scaled_mm",
     "torch_symm_mem",
 )
 # Triton's interpreter (CPU) runs every rank's kernels in numpy: slow, and a world of 4 takes no
@@ -56,6 +57,8 @@ def expected_refusal(
         if arch not in (100, 103):
             return r"needs SM \[100, 103\]"
         return None if has_flashinfer else r"flashinfer is not importable"
+    if backend == "scaled_mm" and arch != 90:
+        return r"needs SM \[90\]"
     if backend == "flashinfer_cutlass":
         return r"module is not built" if has_flashinfer else r"flashinfer is not importable"
     return None

@@ -17,6 +17,8 @@ from tests.multigpu.layer_cases import CaseResult
 from tests.multigpu.rank_inputs import CaseSpec, device, make_inputs, make_weights
 
 FP8_SHAPES = dict(hidden=256, intermediate=128)  # fp8 blocks tile H and I
+# scaled_mm's cuBLAS GEMMs take K in multiples of 4 blocks (experts/scaled_mm.py)
+FP8_SHAPES_OF = {"scaled_mm": dict(hidden=512, intermediate=512)}
 
 
 def fp8_config(spec: CaseSpec) -> MoEConfig:

@@ -73,8 +73,9 @@ def run(pool, spec: CaseSpec, **options):
 )
 def test_fp8_layer_matches_the_oracle(pool_factory, experts, world_size, layout, mode, activation):
     spec = fp8_spec(
-        experts=experts, layout=layout, mode=mode, activation=activation, num_experts=12
-    )
+        experts=experts, layout=layout, mode=mode, activation=activation, num_experts=12,
+        **fp8_cases.FP8_SHAPES_OF.get(experts, {}),
+    )  # fmt: skip
     run(pool_factory(world_size), spec)
 
 

@@ -1,0 +1,203 @@
+"""fp8 block-scaled experts on cuBLAS: ``torch._scaled_mm`` per expert, 1×128 activation scales
+and 128×128 weight scales (the checkpoint's own), for prefill-sized forwards on Hopper.
+
+cuBLAS applies the block scales inside its k loop while the tensor cores run (our Triton fp8
+GEMM promotes each 128-deep step's product on the CUDA cores while they wait: BENCHMARKS.md). The
+price is a host read per forward: cuBLAS takes one expert's rows as a matrix whose row count the
+host passes, so the forward reads the per-expert counts once (no CUDA graph, no capacity mode's
+promise of no sync). ``"auto"`` picks it for exact-mode layers above ``auto_min_tokens_per_rank``
+on SM90 (where it was measured faster), the Triton experts below (decode, graphs).
+
+A forward (kernels in ``kernels/scaled_mm_rows.py``): ``q(x)`` as dispatched or quantized here;
+STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows copied into one padded
+block per expert with their scales laid out as cuBLAS wants; GEMM1 per expert into fp32; the
+activation, the contract's quantizer and the router weight (folded into GEMM2's row scales) in
+one pass; GEMM2 per expert into the compute dtype; each row's slots added in slot order
+(``kernels/sum_rows.py``). fp32 accumulation and activation as the contract says.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from typing import ClassVar
+
+import torch
+
+from ep_runtime.experts.base import (
+    EXPERTS,
+    Experts,
+    ExpertsCapabilities,
+    ExpertsSetup,
+    WorkBuffers,
+    quantized_rows,
+)
+from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
+from ep_runtime.types import Activation, Dispatched, TopkLayout
+
+
+@EXPERTS.register
+class ScaledMMExperts(Experts):
+    name = "scaled_mm"
+    capabilities = ExpertsCapabilities(
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        activations=frozenset(Activation),
+        layouts=frozenset(TopkLayout),
+        preferred_layout=TopkLayout.STANDARD,
+        cuda_archs=frozenset({90}),  # cuBLAS's 1x128 / 128x128 fp8 scaling, measured on Hopper
+        quantizations=frozenset({Quantization.FP8_BLOCK}),
+        graph_capturable=False,  # one host read of the per-expert row counts per forward
+        description="cuBLAS block-scaled fp8 GEMMs per expert (torch._scaled_mm), prefill",
+    )
+    auto_priority = 16  # above triton (15): where both may run, prefill-sized fp8 layers
+    auto_min_tokens_per_rank: ClassVar[int] = 1024
+    # cuBLAS (torch 2.11, CUDA 13.0, H100) gave wrong sums where K/128 was not a multiple of 4
+    # (K 128, 256, 384, 768: errors of 1e3 and more) and no kernel for row counts off 16
+    blocks_multiple: ClassVar[int] = 4
+    # experts' GEMMs are spread round-robin over this many streams: one expert's last, partly
+    # filled wave of tiles runs beside the next expert's first
+    gemm_streams: ClassVar[int] = 2
+
+    @classmethod
+    def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
+        if not hasattr(torch, "_scaled_mm"):
+            return f"torch {torch.__version__} has no torch._scaled_mm"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (the row kernels around the GEMMs)"
+        multiple = cls.blocks_multiple * BLOCK
+        for name in ("hidden_size", "intermediate_size"):
+            size = getattr(setup.config, name)
+            if size % multiple:
+                return (
+                    f"{name}={size} is not a multiple of {multiple} (cuBLAS's block-scaled "
+                    "GEMM reads the 128-column scales in fours)"
+                )
+        return None
+
+    @classmethod
+    def auto_refusal(cls, setup: ExpertsSetup) -> str | None:
+        if setup.token_cap < cls.auto_min_tokens_per_rank:
+            return (
+                f"reads the per-expert counts on the host each forward: picked at "
+                f"{cls.auto_min_tokens_per_rank}+ tokens per rank (prefill), not a cap of "
+                f"{setup.token_cap}"
+            )
+        return None
+
+    def __init__(self, setup: ExpertsSetup) -> None:
+        super().__init__(setup)
+        from ep_runtime.kernels import expert_rows, scaled_mm_rows, sum_rows
+
+        self._sort = expert_rows
+        self._rows = scaled_mm_rows
+        self._sum = sum_rows
+        self.num_local = self.placement.num_local_experts
+        self.buffers = WorkBuffers(setup.device)
+        self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=setup.device)
+        count = self.gemm_streams if setup.device.type == "cuda" else 0
+        self._streams = [torch.cuda.Stream(setup.device) for _ in range(count)]
+
+    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        raise TypeError(f"{self.name} takes fp8 weights (load_quantized_weights)")
+
+    def load_quantized_weights(self, weights: Fp8BlockWeights) -> None:
+        self.fp8 = weights  # e4m3 [L, N, K] row-major: an expert's .t() is cuBLAS's B
+
+    def workspace_bytes(self, max_rows: int) -> int:
+        """The padded blocks of GEMM1's input and fp32 output, ``q(act)``, GEMM2's output, the
+        maps, and the output (rows quantized here when they arrive unquantized)."""
+        config = self.config
+        hidden, width = config.hidden_size, config.intermediate_size
+        blocks = max_rows * config.top_k + self.num_local * self._rows.ROW_ALIGN
+        element = self.setup.dtype.itemsize
+        per_block_row = (
+            hidden + 4 * hidden // BLOCK  # e4m3 rows and their scales
+            + 4 * config.w13_rows  # GEMM1's fp32 output
+            + width + 4 * width // BLOCK  # q(act) and its scales
+            + element * hidden  # GEMM2's output
+            + 8  # pair_of; the pair sort's index
+        )  # fmt: skip
+        per_row = element * hidden + hidden + 4 * hidden // BLOCK + 4 * config.top_k
+        return blocks * per_block_row + max_rows * per_row
+
+    def release_workspace(self) -> None:
+        self.buffers.clear()
+
+    def _per_expert_gemm(
+        self,
+        rows: torch.Tensor,  # [P', K] e4m3 in blocks
+        block_scales: torch.Tensor,  # [P'·K/128] fp32
+        weight: torch.Tensor,  # [L, N, K] e4m3
+        weight_scales: torch.Tensor,  # [L, N/128, K/128] fp32
+        out: torch.Tensor,  # [P', N]
+        bounds: list[int],
+    ) -> torch.Tensor:
+        """``out[block e] = rows[block e] · weight[e]ᵀ``, block scales applied by cuBLAS, on the
+        side streams (they start after, and the current stream continues after, all of them;
+        every tensor here outlives the forward, so no allocation crosses streams)."""
+        groups = rows.size(1) // BLOCK
+        streams = self._streams  # none off CUDA (the adapter tests): the current device's order
+        current = torch.cuda.current_stream(rows.device) if streams else None
+        for stream in streams:
+            stream.wait_stream(current)
+        nonempty = [(e, a, b) for e, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a]
+        for index, (expert, start, end) in enumerate(nonempty):
+            with torch.cuda.stream(streams[index % len(streams)] if streams else None):
+                torch._scaled_mm(
+                    rows[start:end],
+                    weight[expert].t(),
+                    scale_a=self._rows.block_scales_view(block_scales, start, end, groups),
+                    scale_b=weight_scales[expert].t(),
+                    out_dtype=out.dtype,
+                    out=out[start:end],
+                )
+        for stream in streams:
+            current.wait_stream(stream)
+        return out
+
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:
+        hidden = dispatched.hidden_states  # [R, H]
+        num_rows, width = hidden.size(0), self.config.intermediate_size
+        get = self.buffers.get
+        out = get("out", num_rows, self.config.hidden_size, self.setup.dtype)  # [R, H]
+        if num_rows == 0:
+            return out
+        x_q, x_s = quantized_rows(dispatched, self.buffers)
+        if dispatched.layout is TopkLayout.EXPANDED:
+            assert dispatched.expert_offsets is not None
+            offsets, pairs, top_k = dispatched.expert_offsets, None, 1
+        else:
+            top_k = dispatched.topk_ids.size(1)
+            pairs = get("pairs", num_rows * top_k, 1, torch.int32).view(-1)  # [R·K]
+            offsets = self._offsets
+            self._sort.sort_pairs(
+                dispatched.topk_ids,
+                pairs,
+                offsets,
+                local_offset=self.placement.local_expert_offset,
+                num_local=self.num_local,
+            )
+        padded = self._rows.padded_offsets(offsets)
+        bounds = padded.tolist()  # the host read: cuBLAS takes each expert's row count
+        total = bounds[-1]
+        rows = get("rows", total, hidden.size(1), FP8_DTYPE)  # [P', H]
+        row_scales = get("row_scales", total * (hidden.size(1) // BLOCK), 1, torch.float32)
+        pair_of = get("pair_of", total, 1, torch.int32).view(-1)
+        positions = get("positions", num_rows * top_k, 1, torch.int32).view(-1)
+        self._rows.group_rows(
+            x_q, x_s, pairs, offsets, padded, rows, row_scales.view(-1), pair_of, positions,
+            top_k=top_k,
+        )  # fmt: skip
+        w = self.fp8
+        h = get("h", total, w.w13.size(1), torch.float32)  # [P', 2I | I]
+        self._per_expert_gemm(rows, row_scales.view(-1), w.w13, w.w13_scale_inv, h, bounds)
+        act = get("act", total, width, FP8_DTYPE)  # [P', I]
+        act_scales = get("act_scales", total * (width // BLOCK), 1, torch.float32).view(-1)
+        self._rows.activate_rows(
+            h, pair_of, dispatched.topk_weights, padded, act, act_scales, top_k=top_k,
+            gated=self.activation.is_gated, sorted_pairs=pairs is not None,
+        )  # fmt: skip
+        y = get("y", total, self.config.hidden_size, self.setup.dtype)  # [P', H], weighted
+        self._per_expert_gemm(act, act_scales, w.w2, w.w2_scale_inv, y, bounds)
+        return self._sum.triton_sum_rows(y, positions.view(num_rows, top_k), out)

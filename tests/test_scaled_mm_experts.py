@@ -1,0 +1,246 @@
+"""The ``scaled_mm`` experts backend (cuBLAS block-scaled fp8 GEMMs per expert): its row kernels
+(``kernels/scaled_mm_rows.py``) against their torch specs, its adapter logic on CPU with a stand-in
+for ``torch._scaled_mm`` against the fp64 oracle of the contract, and on a Hopper GPU the real
+layer against the oracle and the fp8 twin (``experts="reference"``).
+
+On CPU the row kernels run under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``); cuBLAS does not run there, so the stand-in below imitates only what our
+adapter relies on (the shapes and strides torch checks, the block-scaled product) and never
+replaces the GPU test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # in case conftest did not run first
+pytest.importorskip("triton", reason="triton is not installed")
+
+from ep_runtime import BackendUnavailableError, EPMoE, MoEConfig
+from ep_runtime.experts.base import ExpertsSetup
+from ep_runtime.experts.scaled_mm import ScaledMMExperts
+from ep_runtime.kernels import scaled_mm_rows
+from ep_runtime.placement import ExpertPlacement
+from ep_runtime.quantization import (
+    BLOCK,
+    Fp8BlockWeights,
+    dequantize_weight_blocks,
+    quantize_weight_blocks,
+)
+from ep_runtime.tolerance import compare_per_token, tolerance_for
+from ep_runtime.types import Dispatched, TopkLayout
+from tests import fp8_oracle
+from tests.test_fp8 import fp8_inputs, judge
+from tests.test_fp8_triton import assert_neighbouring_codes, gemm_problem, on_device
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+ARCH = torch.cuda.get_device_capability() if CUDA else None
+HOPPER_MISSING = (
+    "needs a CUDA device (Hopper)"
+    if not CUDA
+    else None
+    if ARCH == (9, 0)
+    else f"needs SM [90] (cuBLAS's 1x128/128x128 fp8 scaling), this GPU is SM{ARCH}"
+)
+E, K, H, I = 8, 3, 256, 128  # noqa: E741 (tests/test_fp8.py's shapes)
+BIG = 512  # H and I of the cuBLAS tests: K in multiples of 4 blocks
+LAYOUTS = ["standard", "expanded"]
+
+
+def grouped_problem(layout: str, gated: bool = True):
+    """gemm_problem's rows (an expert with no rows, a row served by nobody, NaN in it) on the
+    device, with the block starts."""
+    x_q, x_s, _, _, _, _, offsets, pairs, weights, top_k, rows = on_device(
+        *gemm_problem(gated, layout)
+    )
+    num_slots = rows * top_k if pairs is not None else x_q.size(0)
+    return x_q, x_s, pairs, offsets, weights, top_k if pairs is not None else 1, num_slots
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_group_rows_is_its_spec_bitwise(layout):
+    x_q, x_s, pairs, offsets, _, top_k, num_slots = grouped_problem(layout)
+    want = scaled_mm_rows.group_rows_spec(
+        x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
+    )
+    padded = scaled_mm_rows.padded_offsets(offsets)
+    bounds = padded.tolist()
+    align = scaled_mm_rows.ROW_ALIGN
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    sizes = [end - start for start, end in itertools.pairwise(bounds)]
+    assert sizes == [-(-count // align) * align for count in counts]  # an empty expert: 0
+    total = bounds[-1]
+    rows = torch.full((total, H), 1.0, device=DEVICE).to(x_q.dtype)  # stale codes to overwrite
+    scales = torch.full((total * H // BLOCK,), float("nan"), device=DEVICE)
+    pair_of = torch.full((total,), 7, dtype=torch.int32, device=DEVICE)
+    positions = torch.zeros(num_slots, dtype=torch.int32, device=DEVICE)
+    scaled_mm_rows.group_rows(
+        x_q, x_s, pairs, offsets, padded, rows, scales, pair_of, positions, top_k=top_k
+    )
+    assert torch.equal(rows.view(torch.uint8), want[0].view(torch.uint8))
+    for got, expected in zip((scales, pair_of, positions), want[1:], strict=True):
+        assert torch.equal(got, expected)
+    # a hand count: every served slot has one block row, and that row holds its pair
+    served = int(offsets[-1])
+    assert int((positions >= 0).sum()) == served == int((pair_of >= 0).sum())
+    placed = positions[positions >= 0].long()
+    assert torch.equal(pair_of[placed].long(), (positions >= 0).nonzero().view(-1))
+
+
+def block_scales_by_row(flat: torch.Tensor, bounds: list[int], groups: int) -> torch.Tensor:
+    """The flat block-scale buffer back to ``[P', groups]``, one row per block row."""
+    views = [
+        scaled_mm_rows.block_scales_view(flat, a, b, groups) for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(views)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_activate_rows_matches_its_spec(layout, gated):
+    x_q, x_s, pairs, offsets, weights, top_k, num_slots = grouped_problem(layout, gated)
+    _, _, pair_of, _ = scaled_mm_rows.group_rows_spec(
+        x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
+    )
+    padded = scaled_mm_rows.padded_offsets(offsets)
+    bounds = padded.tolist()
+    total = bounds[-1]
+    g = torch.Generator().manual_seed(2)
+    y = (torch.randn(total, (2 if gated else 1) * I, generator=g) * 4).to(DEVICE)
+    y[pair_of < 0] = float("nan")  # padding rows: never read
+    want_q, want_s = scaled_mm_rows.activate_rows_spec(
+        y, pair_of, weights, bounds, gated=gated, sorted_pairs=pairs is not None
+    )
+    q = torch.empty(total, I, device=DEVICE).to(want_q.dtype)
+    s = torch.full((total * I // BLOCK,), float("nan"), device=DEVICE)
+    scaled_mm_rows.activate_rows(
+        y, pair_of, weights, padded, q, s, top_k=top_k, gated=gated,
+        sorted_pairs=pairs is not None,
+    )  # fmt: skip
+    # back to one row per block row to compare codes; padding rows: zero codes, zero scales
+    per_row, per_row_want = (block_scales_by_row(flat, bounds, I // BLOCK) for flat in (s, want_s))
+    served = (pair_of >= 0).cpu()
+    assert not q.cpu()[~served].float().any() and not per_row.cpu()[~served].any()
+    order = served.nonzero().view(-1)
+    assert_neighbouring_codes(
+        q.cpu()[order], per_row.cpu()[order], want_q.cpu()[order], per_row_want.cpu()[order],
+        order.numel(),
+    )  # fmt: skip
+
+
+def scaled_mm_stand_in(a, b, *, scale_a, scale_b, out_dtype, out):
+    """Imitates ``torch._scaled_mm`` with 1×128 / 128×128 block scales, for our adapter logic
+    only: the layouts torch checks (row-major ``a``, column-major ``b``, ``scale_a`` outer-dim
+    major, ``scale_b``'s transpose row-major), then the block-scaled product in fp64."""
+    (m, k), n = a.shape, b.size(1)
+    assert a.is_contiguous() and b.t().is_contiguous()
+    assert scale_a.shape == (m, k // BLOCK) and scale_a.stride() == (1, m)
+    assert scale_b.shape == (k // BLOCK, n // BLOCK) and scale_b.t().is_contiguous()
+    rows = a.double() * scale_a.double().repeat_interleave(BLOCK, dim=1)
+    weight = dequantize_weight_blocks(b.t(), scale_b.t()).double()
+    out.copy_((rows @ weight.t()).to(out_dtype))
+    return out
+
+
+def backend_with_stand_in(monkeypatch, activation: str, weights) -> ScaledMMExperts:
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_stand_in)
+    config = MoEConfig(E, K, H, I, activation=activation, quantization="fp8_block")
+    placement = ExpertPlacement(E, 0, 1)
+    setup = ExpertsSetup(config, placement, DEVICE, torch.bfloat16, token_cap=64)
+    backend = ScaledMMExperts(setup)
+    q13, s13, q2, s2 = weights
+    backend.load_quantized_weights(Fp8BlockWeights(q13, s13, q2, s2).to(DEVICE))
+    return backend
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_adapter_logic_with_a_stand_in_for_scaled_mm_standard(monkeypatch, activation):
+    x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=40)
+    backend = backend_with_stand_in(monkeypatch, activation, weights)
+    inputs = on_device(x, ids.int(), topk_weights.float())
+    out = backend.forward(Dispatched(*inputs, TopkLayout.STANDARD, None)).cpu()
+    comparison = judge(out, x, ids, topk_weights, weights, activation)
+    assert comparison.passed, comparison.describe()
+    assert not out[ids.size(0) // 2].any()  # served by nobody: an exact zero row
+
+
+def test_adapter_logic_with_a_stand_in_for_scaled_mm_expanded(monkeypatch):
+    """EXPANDED: each served (token, slot) pair is one grouped row with its own weight; two
+    padding rows of NaN follow (zero results)."""
+    x, ids, topk_weights, weights = fp8_inputs("silu", torch.bfloat16, tokens=24, seed=4)
+    backend = backend_with_stand_in(monkeypatch, "silu", weights)
+    tokens, slots = (ids >= 0).nonzero(as_tuple=True)
+    order = torch.sort(ids[tokens, slots], stable=True).indices
+    tokens, slots = tokens[order], slots[order]
+    expert_of = ids[tokens, slots].long()
+    counts = torch.bincount(expert_of, minlength=E)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+    rows = torch.cat([x[tokens], torch.full((2, H), float("nan"), dtype=x.dtype)])
+    row_weights = torch.cat([topk_weights[tokens, slots], torch.ones(2)]).float()[:, None]
+    row_ids = torch.cat([expert_of, torch.full((2,), -1)])[:, None]
+    inputs = on_device(rows, row_ids.int(), row_weights)
+    out = backend.forward(Dispatched(*inputs, TopkLayout.EXPANDED, offsets.to(DEVICE))).cpu()
+    comparison = judge(out[:-2], rows[:-2], row_ids[:-2], row_weights[:-2], weights, "silu")
+    assert comparison.passed, comparison.describe()
+    assert not out[-2:].any()
+
+
+def cublas_inputs(activation: str, tokens: int = 48, seed: int = 0):
+    """tests/test_fp8.py's recipe at H = I = 512 (cuBLAS takes K in multiples of 4 blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, (2 if activation == "silu" else 1) * BIG, BIG, generator=g) / BIG**0.5
+    w2 = torch.randn(E, BIG, BIG, generator=g) / BIG**0.5
+    x = torch.randn(tokens, BIG, generator=g).to(torch.bfloat16)
+    ids = torch.rand(tokens, E, generator=g).topk(K, dim=1).indices
+    ids = torch.where(torch.rand(tokens, K, generator=g) < 0.15, -1, ids)
+    ids[tokens // 2] = -1
+    weights = torch.where(ids >= 0, 0.25 + 1.5 * torch.rand(tokens, K, generator=g), float("nan"))
+    q13, s13 = quantize_weight_blocks(w13.to(torch.bfloat16))
+    q2, s2 = quantize_weight_blocks(w2.to(torch.bfloat16))
+    return x, ids, weights, (q13, s13, q2, s2)
+
+
+@pytest.mark.skipif(HOPPER_MISSING is not None, reason=str(HOPPER_MISSING))
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_matches_the_oracle_and_the_twin_on_hopper(layout, mode, activation):
+    """cuBLAS for real: the layer against the fp64 oracle and the fp8 twin; expert row counts
+    off ROW_ALIGN (48 tokens, 8 experts) and an expert without rows at another seed."""
+    x, ids, topk_weights, weights = cublas_inputs(activation)
+    q13, s13, q2, s2 = weights
+    outputs = {}
+    for experts in ("scaled_mm", "reference"):
+        config = MoEConfig(E, K, BIG, BIG, activation=activation, quantization="fp8_block")
+        layer = EPMoE(
+            config, max_tokens_per_rank=48, experts=experts, device=DEVICE, layout=layout,
+            mode=mode,
+        )  # fmt: skip
+        try:
+            assert layer.choice.experts == experts
+            layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
+            outputs[experts] = layer(*on_device(x, ids, topk_weights)).cpu()
+        finally:
+            layer.close()
+    out, twin = outputs["scaled_mm"], outputs["reference"]
+    ref, scale = fp8_oracle.fp8_moe_oracle(x, ids, topk_weights, q13, s13, q2, s2, activation)
+    comparison = compare_per_token(out, ref, tolerance_for(torch.bfloat16, BIG), scale)
+    assert comparison.passed, comparison.describe()
+    assert not out[ids.size(0) // 2].any()
+    served = (ids >= 0).any(dim=1)
+    distance = (out.float() - twin.float()).norm(dim=1)[served] / twin.float().norm(dim=1)[served]
+    assert distance.max() < 0.03, distance.max()
+
+
+@pytest.mark.skipif(HOPPER_MISSING is not None, reason=str(HOPPER_MISSING))
+def test_small_blocks_are_refused_with_the_reason():
+    """K/128 not a multiple of 4 (cuBLAS summed wrong there): refused before any forward."""
+    config = MoEConfig(E, K, 256, 384, quantization="fp8_block")
+    with pytest.raises(BackendUnavailableError, match=r"hidden_size=256 is not a multiple of 512"):
+        EPMoE(config, max_tokens_per_rank=8, experts="scaled_mm", device=DEVICE)
