@@ -102,7 +102,11 @@ class ScaledMMExperts(Experts):
         raise TypeError(f"{self.name} takes fp8 weights (load_quantized_weights)")
 
     def load_quantized_weights(self, weights: Fp8BlockWeights) -> None:
-        self.fp8 = weights  # e4m3 [L, N, K] row-major: an expert's .t() is cuBLAS's B
+        # per expert (B, scale_b) as _scaled_mm takes them, made once: e4m3 [K, N] column-major
+        # (the row-major [N, K] weight transposed) and fp32 [K/128, N/128]
+        self.up = [(w.t(), s.t()) for w, s in zip(weights.w13, weights.w13_scale_inv, strict=True)]
+        self.down = [(w.t(), s.t()) for w, s in zip(weights.w2, weights.w2_scale_inv, strict=True)]
+        self.up_rows = weights.w13.size(1)  # 2I | I
 
     def workspace_bytes(self, max_rows: int) -> int:
         """The padded blocks of GEMM1's input and fp32 output, ``q(act)``, GEMM2's output, the
@@ -128,12 +132,11 @@ class ScaledMMExperts(Experts):
         self,
         rows: torch.Tensor,  # [P', K] e4m3 in blocks
         block_scales: torch.Tensor,  # [P'·K/128] fp32
-        weight: torch.Tensor,  # [L, N, K] e4m3
-        weight_scales: torch.Tensor,  # [L, N/128, K/128] fp32
+        weights: list[tuple[torch.Tensor, torch.Tensor]],  # per expert: [K, N] e4m3, scales
         out: torch.Tensor,  # [P', N]
         bounds: list[int],
     ) -> torch.Tensor:
-        """``out[block e] = rows[block e] · weight[e]ᵀ``, block scales applied by cuBLAS, on the
+        """``out[block e] = rows[block e] · B[e]``, block scales applied by cuBLAS, on the
         side streams (they start after, and the current stream continues after, all of them;
         every tensor here outlives the forward, so no allocation crosses streams)."""
         groups = rows.size(1) // BLOCK
@@ -144,11 +147,12 @@ class ScaledMMExperts(Experts):
         nonempty = [(e, a, b) for e, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a]
         for index, (expert, start, end) in enumerate(nonempty):
             with torch.cuda.stream(streams[index % len(streams)] if streams else None):
+                weight, weight_scales = weights[expert]
                 torch._scaled_mm(
                     rows[start:end],
-                    weight[expert].t(),
+                    weight,
                     scale_a=self._rows.block_scales_view(block_scales, start, end, groups),
-                    scale_b=weight_scales[expert].t(),
+                    scale_b=weight_scales,
                     out_dtype=out.dtype,
                     out=out[start:end],
                 )
@@ -189,9 +193,8 @@ class ScaledMMExperts(Experts):
             x_q, x_s, pairs, offsets, padded, rows, row_scales.view(-1), pair_of, positions,
             top_k=top_k,
         )  # fmt: skip
-        w = self.fp8
-        h = get("h", total, w.w13.size(1), torch.float32)  # [P', 2I | I]
-        self._per_expert_gemm(rows, row_scales.view(-1), w.w13, w.w13_scale_inv, h, bounds)
+        h = get("h", total, self.up_rows, torch.float32)  # [P', 2I | I]
+        self._per_expert_gemm(rows, row_scales.view(-1), self.up, h, bounds)
         act = get("act", total, width, FP8_DTYPE)  # [P', I]
         act_scales = get("act_scales", total * (width // BLOCK), 1, torch.float32).view(-1)
         self._rows.activate_rows(
@@ -199,5 +202,5 @@ class ScaledMMExperts(Experts):
             gated=self.activation.is_gated, sorted_pairs=pairs is not None,
         )  # fmt: skip
         y = get("y", total, self.config.hidden_size, self.setup.dtype)  # [P', H], weighted
-        self._per_expert_gemm(act, act_scales, w.w2, w.w2_scale_inv, y, bounds)
+        self._per_expert_gemm(act, act_scales, self.down, y, bounds)
         return self._sum.triton_sum_rows(y, positions.view(num_rows, top_k), out)
