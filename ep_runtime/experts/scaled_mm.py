@@ -95,8 +95,12 @@ class ScaledMMExperts(Experts):
         self.num_local = self.placement.num_local_experts
         self.buffers = WorkBuffers(setup.device)
         self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=setup.device)
-        count = self.gemm_streams if setup.device.type == "cuda" else 0
-        self._streams = [torch.cuda.Stream(setup.device) for _ in range(count)]
+        on_cuda = setup.device.type == "cuda"
+        streams = self.gemm_streams if on_cuda else 0
+        self._streams = [torch.cuda.Stream(setup.device) for _ in range(streams)]
+        # the block starts reach the host through pinned memory while group_rows runs
+        self._host_padded = torch.empty(self.num_local + 1, dtype=torch.int32, pin_memory=on_cuda)
+        self._padded_copied = torch.cuda.Event() if on_cuda else None
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         raise TypeError(f"{self.name} takes fp8 weights (load_quantized_weights)")
@@ -145,20 +149,29 @@ class ScaledMMExperts(Experts):
         for stream in streams:
             stream.wait_stream(current)
         nonempty = [(e, a, b) for e, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a]
-        for index, (expert, start, end) in enumerate(nonempty):
-            with torch.cuda.stream(streams[index % len(streams)] if streams else None):
-                weight, weight_scales = weights[expert]
-                torch._scaled_mm(
-                    rows[start:end],
-                    weight,
-                    scale_a=self._rows.block_scales_view(block_scales, start, end, groups),
-                    scale_b=weight_scales,
-                    out_dtype=out.dtype,
-                    out=out[start:end],
-                )
+        for first, stream in enumerate(streams or [None]):  # experts round-robin, one switch each
+            with torch.cuda.stream(stream):
+                for expert, start, end in nonempty[first :: max(1, len(streams))]:
+                    weight, weight_scales = weights[expert]
+                    torch._scaled_mm(
+                        rows[start:end],
+                        weight,
+                        scale_a=self._rows.block_scales_view(block_scales, start, end, groups),
+                        scale_b=weight_scales,
+                        out_dtype=out.dtype,
+                        out=out[start:end],
+                    )
         for stream in streams:
             current.wait_stream(stream)
         return out
+
+    def _block_starts(self, padded: torch.Tensor) -> list[int]:
+        """``padded`` on the host: on CUDA from the pinned copy made before group_rows was
+        queued (the device copies rows while the host waits), elsewhere read directly."""
+        if self._padded_copied is None:
+            return padded.tolist()
+        self._padded_copied.synchronize()
+        return self._host_padded.tolist()
 
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
         hidden = dispatched.hidden_states  # [R, H]
@@ -183,16 +196,20 @@ class ScaledMMExperts(Experts):
                 num_local=self.num_local,
             )
         padded = self._rows.padded_offsets(offsets)
-        bounds = padded.tolist()  # the host read: cuBLAS takes each expert's row count
-        total = bounds[-1]
-        rows = get("rows", total, hidden.size(1), FP8_DTYPE)  # [P', H]
-        row_scales = get("row_scales", total * (hidden.size(1) // BLOCK), 1, torch.float32)
-        pair_of = get("pair_of", total, 1, torch.int32).view(-1)
+        if self._padded_copied is not None:
+            self._host_padded.copy_(padded, non_blocking=True)
+            self._padded_copied.record()
+        bound = self._rows.max_block_rows(num_rows * top_k, self.num_local)
+        rows = get("rows", bound, hidden.size(1), FP8_DTYPE)  # [P' ≤ bound, H]
+        row_scales = get("row_scales", bound * (hidden.size(1) // BLOCK), 1, torch.float32)
+        pair_of = get("pair_of", bound, 1, torch.int32).view(-1)
         positions = get("positions", num_rows * top_k, 1, torch.int32).view(-1)
         self._rows.group_rows(
             x_q, x_s, pairs, offsets, padded, rows, row_scales.view(-1), pair_of, positions,
             top_k=top_k,
         )  # fmt: skip
+        bounds = self._block_starts(padded)  # the host read: cuBLAS takes each expert's rows
+        total = bounds[-1]
         h = get("h", total, self.up_rows, torch.float32)  # [P', 2I | I]
         self._per_expert_gemm(rows, row_scales.view(-1), self.up, h, bounds)
         act = get("act", total, width, FP8_DTYPE)  # [P', I]

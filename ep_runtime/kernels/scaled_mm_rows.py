@@ -42,11 +42,17 @@ def padded_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
 
 
+def max_block_rows(num_grouped: int, num_local: int) -> int:
+    """A bound on ``padded_offsets(offsets)[L]`` for ``offsets[L] ≤ num_grouped`` (no host read)."""
+    return num_grouped + num_local * (ROW_ALIGN - 1)
+
+
 def block_scales_view(
     flat: torch.Tensor, start: int, end: int, groups: int
 ) -> torch.Tensor:  # [end - start, groups], strides (1, end - start)
-    """One block's scales as ``_scaled_mm``'s outer-dim-major ``scale_a``."""
-    return flat[start * groups : end * groups].view(groups, end - start).t()
+    """One block's scales as ``_scaled_mm``'s outer-dim-major ``scale_a`` (one view op)."""
+    rows = end - start
+    return flat.as_strided((rows, groups), (1, rows), flat.storage_offset() + start * groups)
 
 
 def to_block_scales(scales: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -161,8 +167,11 @@ def _group_kernel(
     BLOCK_C: tl.constexpr,
     GP: tl.constexpr,
 ):
-    """Program = one block row: its source row copied (zero for padding), scales, maps."""
+    """Program = one block row: its source row copied (zero for padding), scales, maps. The
+    grid is a bound on the block rows (the host has not read their count): past them, nothing."""
     p = tl.program_id(0)
+    if p >= tl.load(padded + num_local):
+        return
     expert, start, block_rows = _block_of(padded, p, num_local, LP)
     i = p - start
     first = tl.load(offsets + expert)
@@ -242,14 +251,15 @@ def group_rows(
     pairs: torch.Tensor | None,  # [P] int32 or None
     offsets: torch.Tensor,  # [L + 1] int32
     padded: torch.Tensor,  # [L + 1] int32, padded_offsets(offsets)
-    rows: torch.Tensor,  # [P', H] e4m3 out
-    block_scales: torch.Tensor,  # [P'·H/128] fp32 out
-    pair_of: torch.Tensor,  # [P'] int32 out
+    rows: torch.Tensor,  # [≥ P', H] e4m3 out: max_block_rows rows (the grid)
+    block_scales: torch.Tensor,  # [≥ P'·H/128] fp32 out
+    pair_of: torch.Tensor,  # [≥ P'] int32 out
     positions: torch.Tensor,  # [R·K] int32 out
     *,
     top_k: int,
 ) -> None:
-    """``group_rows_spec`` into the given buffers, bitwise, in one fill and one launch."""
+    """``group_rows_spec`` into the first ``P'`` rows of the given buffers, bitwise, in one fill
+    and one launch, without reading ``P'`` on the host."""
     positions.fill_(-1)
     total, width = rows.shape
     if total == 0:
