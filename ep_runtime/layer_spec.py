@@ -134,7 +134,9 @@ class LayerSpec:
         rank (a prefill): what backends choosing by size go by."""
         slot_config = dataclasses.replace(self.config, num_experts=self.num_slots)
         tokens = self.max_tokens_per_rank or EXACT_MODE_TOKENS_HINT
-        return ExpertsSetup(slot_config, placement, device, self.dtype, token_cap=tokens)
+        return ExpertsSetup(
+            slot_config, placement, device, self.dtype, token_cap=tokens, mode=self.mode
+        )
 
     def settings(self) -> dict[str, str]:
         """What every rank must agree on: each field as text, a nested dataclass's fields in its

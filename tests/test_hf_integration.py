@@ -292,8 +292,10 @@ def test_cuda_graph_option_is_refused_where_it_cannot_run(options, message) -> N
         (dict(cuda_graph_tokens=300), r"<= max_tokens_per_rank \(256\)"),  # the default cap
         (dict(cuda_graph_tokens=8, num_redundant_experts=2), r"no expert load balancing"),
         (dict(cuda_graph_tokens=8, eplb_interval=4), r"no expert load balancing"),
+        # the scaled_mm experts read the per-expert row counts on the host each forward
+        (dict(cuda_graph_tokens=8, experts="scaled_mm"), r"reads nothing on the host"),
     ],
-    ids=["cap", "default_cap", "redundant_experts", "eplb_interval"],
+    ids=["cap", "default_cap", "redundant_experts", "eplb_interval", "host_reading_experts"],
 )
 def test_cuda_graph_option_refuses_what_a_capture_cannot_hold(options, message) -> None:
     """Checked before any layer is built, on the arguments alone (so also without a GPU)."""

@@ -21,9 +21,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # in case conftest did not run first
 pytest.importorskip("triton", reason="triton is not installed")
 
-from ep_runtime import BackendUnavailableError, EPMoE, MoEConfig
+from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.experts.base import ExpertsSetup
 from ep_runtime.experts.scaled_mm import ScaledMMExperts
+from ep_runtime.experts.triton import TritonExperts
 from ep_runtime.kernels import scaled_mm_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import (
@@ -33,7 +34,7 @@ from ep_runtime.quantization import (
     quantize_weight_blocks,
 )
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from ep_runtime.types import Dispatched, TopkLayout
+from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 from tests import fp8_oracle
 from tests.test_fp8 import fp8_inputs, judge
 from tests.test_fp8_triton import assert_neighbouring_codes, gemm_problem, on_device
@@ -121,7 +122,7 @@ def test_activate_rows_matches_its_spec(layout, gated):
     want_q, want_s = scaled_mm_rows.activate_rows_spec(
         y, pair_of, weights, bounds, gated=gated, sorted_pairs=pairs is not None
     )
-    q = torch.empty(total, I, device=DEVICE).to(want_q.dtype)
+    q = torch.full((total, I), 3.0, device=DEVICE).to(want_q.dtype)  # stale codes
     s = torch.full((total * I // BLOCK,), float("nan"), device=DEVICE)
     scaled_mm_rows.activate_rows(
         y, pair_of, weights, padded, q, s, top_k=top_k, gated=gated,
@@ -143,6 +144,7 @@ def scaled_mm_stand_in(a, b, *, scale_a, scale_b, out_dtype, out):
     only: the layouts torch checks (row-major ``a``, column-major ``b``, ``scale_a`` outer-dim
     major, ``scale_b``'s transpose row-major), then the block-scaled product in fp64."""
     (m, k), n = a.shape, b.size(1)
+    assert m % scaled_mm_rows.ROW_ALIGN == 0  # cuBLAS had no kernel for some row counts
     assert a.is_contiguous() and b.t().is_contiguous()
     assert scale_a.shape == (m, k // BLOCK) and scale_a.stride() == (1, m)
     assert scale_b.shape == (k // BLOCK, n // BLOCK) and scale_b.t().is_contiguous()
@@ -215,8 +217,8 @@ def cublas_inputs(activation: str, tokens: int = 48, seed: int = 0):
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layer_matches_the_oracle_and_the_twin_on_hopper(layout, mode, activation):
-    """cuBLAS for real: the layer against the fp64 oracle and the fp8 twin; expert row counts
-    off ROW_ALIGN (48 tokens, 8 experts) and an expert without rows at another seed."""
+    """cuBLAS for real: the layer against the fp64 oracle and the fp8 twin, expert row counts
+    off ROW_ALIGN (48 tokens, 8 experts)."""
     x, ids, topk_weights, weights = cublas_inputs(activation)
     q13, s13, q2, s2 = weights
     outputs = {}
@@ -242,9 +244,50 @@ def test_layer_matches_the_oracle_and_the_twin_on_hopper(layout, mode, activatio
     assert distance.max() < 0.03, distance.max()
 
 
+def test_refusals_name_the_reason():
+    """K/128 not a multiple of 4 (cuBLAS summed wrong there) is refused naming the size; "auto"
+    leaves capacity mode (CUDA graphs) and decode-sized layers to the Triton experts, which
+    take fp8 at any cap (its prefill rule compares with grouped_mm, which has no fp8 path)."""
+
+    def setup(hidden: int, width: int, cap: int = 4096, mode=DispatchMode.EXACT) -> ExpertsSetup:
+        config = MoEConfig(E, K, hidden, width, quantization="fp8_block")
+        placement = ExpertPlacement(E, 0, 1)
+        return ExpertsSetup(config, placement, DEVICE, torch.bfloat16, token_cap=cap, mode=mode)
+
+    refusal = ScaledMMExperts.unavailable_reason
+    assert refusal(setup(256, 512)) == (
+        "hidden_size=256 is not a multiple of 512 (cuBLAS's block-scaled GEMM reads the "
+        "128-column scales in fours)"
+    )
+    assert "intermediate_size=768 is not a multiple of 512" in str(refusal(setup(2048, 768)))
+    assert refusal(setup(7168, 2048)) is None
+    auto = ScaledMMExperts.auto_refusal
+    assert auto(setup(7168, 2048)) is None
+    assert "not a cap of 512" in str(auto(setup(7168, 2048, cap=512)))
+    assert "capacity mode" in str(auto(setup(7168, 2048, mode=DispatchMode.CAPACITY)))
+    if HOPPER_MISSING is None:
+        assert TritonExperts.auto_refusal(setup(7168, 2048, cap=4096)) is None
+
+
 @pytest.mark.skipif(HOPPER_MISSING is not None, reason=str(HOPPER_MISSING))
-def test_small_blocks_are_refused_with_the_reason():
-    """K/128 not a multiple of 4 (cuBLAS summed wrong there): refused before any forward."""
-    config = MoEConfig(E, K, 256, 384, quantization="fp8_block")
-    with pytest.raises(BackendUnavailableError, match=r"hidden_size=256 is not a multiple of 512"):
-        EPMoE(config, max_tokens_per_rank=8, experts="scaled_mm", device=DEVICE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_edge_cases_on_hopper(dtype):
+    """An expert with no rows, negative router weights (folded into cuBLAS's row scales), the
+    fp32 compute dtype, then a forward where no slot is served here (exact zeros)."""
+    x, ids, topk_weights, weights = cublas_inputs("silu", tokens=40, seed=1)
+    ids = torch.where(ids == 5, -1, ids)  # expert 5 gets no rows
+    topk_weights = torch.where(torch.arange(K) == 1, -topk_weights, topk_weights)
+    q13, s13, q2, s2 = weights
+    config = MoEConfig(E, K, BIG, BIG, quantization="fp8_block", dtype=dtype)
+    layer = EPMoE(config, max_tokens_per_rank=40, experts="scaled_mm", device=DEVICE)
+    try:
+        layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
+        out = layer(*on_device(x.to(dtype), ids, topk_weights)).cpu()
+        nobody = layer(*on_device(x.to(dtype), torch.full_like(ids, -1), topk_weights)).cpu()
+    finally:
+        layer.close()
+    assert out.dtype == dtype
+    ref, scale = fp8_oracle.fp8_moe_oracle(x, ids, topk_weights, q13, s13, q2, s2, "silu")
+    comparison = compare_per_token(out, ref, tolerance_for(torch.bfloat16, BIG), scale)
+    assert comparison.passed, comparison.describe()
+    assert not nobody.any()

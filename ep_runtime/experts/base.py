@@ -18,7 +18,7 @@ from ep_runtime.config import MoEConfig
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
-from ep_runtime.types import Activation, Dispatched, EPInputError, TopkLayout
+from ep_runtime.types import Activation, Dispatched, DispatchMode, EPInputError, TopkLayout
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class ExpertsSetup:
     # tokens per rank per round the backend sizes for: capacity mode's cap; exact mode's bound, or
     # without one the layer's EXACT_MODE_TOKENS_HINT (a prefill)
     token_cap: int
+    # capacity mode promises forwards without host reads (CUDA graphs); exact mode syncs anyway
+    mode: DispatchMode = DispatchMode.EXACT
 
 
 def cuda_arch(device: torch.device) -> int | None:

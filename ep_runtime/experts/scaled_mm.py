@@ -5,8 +5,10 @@ cuBLAS applies the block scales inside its k loop while the tensor cores run (ou
 GEMM promotes each 128-deep step's product on the CUDA cores while they wait: BENCHMARKS.md). The
 price is a host read per forward: cuBLAS takes one expert's rows as a matrix whose row count the
 host passes, so the forward reads the per-expert counts once (no CUDA graph, no capacity mode's
-promise of no sync). ``"auto"`` picks it for exact-mode layers above ``auto_min_tokens_per_rank``
-on SM90 (where it was measured faster), the Triton experts below (decode, graphs).
+promise of no sync). ``"auto"`` picks it for exact-mode layers sized for
+``auto_min_tokens_per_rank`` tokens per rank or more on SM90 (where it was measured faster than
+the Triton fp8 GEMMs); capacity-mode layers (CUDA graphs) and smaller ones take the Triton
+experts. The choice is per layer: an exact-mode layer without a bound is sized for a prefill.
 
 A forward (kernels in ``kernels/scaled_mm_rows.py``): ``q(x)`` as dispatched or quantized here;
 STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows copied into one padded
@@ -33,7 +35,7 @@ from ep_runtime.experts.base import (
     quantized_rows,
 )
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
-from ep_runtime.types import Activation, Dispatched, TopkLayout
+from ep_runtime.types import Activation, Dispatched, DispatchMode, TopkLayout
 
 
 @EXPERTS.register
@@ -53,7 +55,8 @@ class ScaledMMExperts(Experts):
     auto_priority = 16  # above triton (15): where both may run, prefill-sized fp8 layers
     auto_min_tokens_per_rank: ClassVar[int] = 1024
     # cuBLAS (torch 2.11, CUDA 13.0, H100) gave wrong sums where K/128 was not a multiple of 4
-    # (K 128, 256, 384, 768: errors of 1e3 and more) and no kernel for row counts off 16
+    # (K 128, 256, 384, 768: errors of 1e3 and more); row counts of 1 and 17 had no kernel (16
+    # and 1000 ran), so each expert's block is padded to ROW_ALIGN rows
     blocks_multiple: ClassVar[int] = 4
     # experts' GEMMs are spread round-robin over this many streams: one expert's last, partly
     # filled wave of tiles runs beside the next expert's first
@@ -77,6 +80,11 @@ class ScaledMMExperts(Experts):
 
     @classmethod
     def auto_refusal(cls, setup: ExpertsSetup) -> str | None:
+        if setup.mode is DispatchMode.CAPACITY:
+            return (
+                "reads the per-expert counts on the host each forward: capacity mode promises "
+                "none (CUDA graphs); name it to use it eagerly"
+            )
         if setup.token_cap < cls.auto_min_tokens_per_rank:
             return (
                 f"reads the per-expert counts on the host each forward: picked at "

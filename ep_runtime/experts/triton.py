@@ -95,6 +95,8 @@ class TritonExperts(Experts):
         if arch not in cls.measured_archs:
             return f"measured faster than grouped_mm on SM90 only, not on SM{arch}"
         hidden = setup.config.hidden_size
+        if setup.config.quantization is not None:
+            return None  # grouped_mm, the rule's other side, has no fp8 path
         if setup.token_cap > cls.auto_max_tokens_per_rank and hidden > cls.auto_any_cap_max_hidden:
             return (
                 f"measured faster than grouped_mm up to {cls.auto_max_tokens_per_rank} tokens "
@@ -110,12 +112,10 @@ class TritonExperts(Experts):
             expert_gemm_fp8,
             expert_rows,
             expert_tiles,
-            fp8_quant,
         )
 
         self._gemm = expert_gemm
         self._gemm_fp8 = expert_gemm_fp8
-        self._quant = fp8_quant
         self.fp8: Fp8BlockWeights | None = None
         self._rows = expert_rows
         self._tiles = expert_tiles

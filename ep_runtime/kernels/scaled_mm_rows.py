@@ -9,8 +9,9 @@ row-major, at ``start·K/128`` of one flat buffer ("block scales").
 
 * ``group_rows``: the dispatched ``q(x)`` rows copied into the blocks (STANDARD's pairs gathered
   by row, EXPANDED's rows as they are), their scales into block scales; padding rows are zero
-  with zero scales. Also each block row's pair (``row·K + slot``, -1 for padding) and each
-  pair's block row (``positions``, -1 where a slot is not served here): combine reads it.
+  with zero scales. Also each block row's pair (STANDARD: ``row·K + slot``; EXPANDED: the
+  grouped row; -1 for padding) and each pair's block row (``positions``, -1 where a slot is not
+  served here): combine reads it.
 * ``activate_rows``: GEMM1's fp32 output → ``q(act)`` (the contract's per-row, per-128-column
   quantizer) and its block scales, each multiplied by the pair's router weight, so GEMM2's
   output rows arrive weighted and combine only adds them.
@@ -30,7 +31,7 @@ from ep_runtime.kernels.fp8_quant import quantize_groups
 from ep_runtime.kernels.triton_common import cdiv, jit, kernel, pow2, tl
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, quantize_activations
 
-ROW_ALIGN = 16  # rows: every block starts and ends on a multiple (cuBLAS reads aligned rows)
+ROW_ALIGN = 16  # rows: every block starts and ends on a multiple (cuBLAS had no kernel for 17)
 COPY_BLOCK = 1024  # bytes of a row one step of group_rows copies
 MAX_GROUPS = 8  # 128-column groups one program of activate_rows quantizes
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.config import DEFAULT_MAX_TOKENS_PER_RANK
+from ep_runtime.experts import EXPERTS
 from ep_runtime.forward_graphs import capture_on
 from ep_runtime.types import DispatchMode, EPInputError
 
@@ -47,6 +48,11 @@ def check_graph_option(
     if mode not in (DispatchMode.CAPACITY, DispatchMode.CAPACITY.value):
         raise EPInputError(
             OPTION, "mode='capacity' (static buffers, no host reads)", f"mode={mode!r}"
+        )
+    experts = layer_options.get("experts", "auto")
+    if experts in EXPERTS.names() and not EXPERTS[experts].capabilities.graph_capturable:
+        raise EPInputError(
+            OPTION, "experts whose forward reads nothing on the host", f"experts={experts!r}"
         )
     target = torch.device(layer_options.get("device") or device)
     if target.type != "cuda":
