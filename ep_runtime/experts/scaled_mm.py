@@ -21,7 +21,6 @@ one pass; GEMM2 per expert into the compute dtype; each row's slots added in slo
 from __future__ import annotations
 
 import importlib.util
-import itertools
 from typing import ClassVar
 
 import torch
@@ -96,7 +95,9 @@ class ScaledMMExperts(Experts):
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
         from ep_runtime.kernels import expert_rows, scaled_mm_rows, sum_rows
+        from ep_runtime.kernels.expert_gemm import nonempty_groups
 
+        self._nonempty_groups = nonempty_groups
         self._sort = expert_rows
         self._rows = scaled_mm_rows
         self._sum = sum_rows
@@ -156,10 +157,11 @@ class ScaledMMExperts(Experts):
         current = torch.cuda.current_stream(rows.device) if streams else None
         for stream in streams:
             stream.wait_stream(current)
-        nonempty = [(e, a, b) for e, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a]
-        for first, stream in enumerate(streams or [None]):  # experts round-robin, one switch each
+        lanes = streams or [None]
+        nonempty = self._nonempty_groups(bounds)
+        for first, stream in enumerate(lanes):  # experts round-robin, one stream switch each
             with torch.cuda.stream(stream):
-                for expert, start, end in nonempty[first :: max(1, len(streams))]:
+                for expert, start, end in nonempty[first :: len(lanes)]:
                     weight, weight_scales = weights[expert]
                     torch._scaled_mm(
                         rows[start:end],

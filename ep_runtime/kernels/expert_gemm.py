@@ -57,9 +57,9 @@ def activation_spec(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return torch.relu(h).square()
 
 
-def nonempty_groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of every non-empty group (reads offsets on the host)."""
-    bounds = offsets.tolist()
+def nonempty_groups(offsets: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every non-empty group (a tensor is read on the host)."""
+    bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets
     return [(e, s, t) for e, (s, t) in enumerate(itertools.pairwise(bounds)) if t > s]
 
 

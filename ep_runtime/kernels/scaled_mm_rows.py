@@ -75,11 +75,12 @@ def _block_rows(
     total = bounds[-1]
     pair = torch.full((total,), -1, dtype=torch.int64)
     grouped = torch.full((total,), -1, dtype=torch.int64)
+    sorted_pairs = None if pairs is None else pairs.cpu().long()
     for expert, start in enumerate(bounds[:-1]):
         first, count = offsets[expert], offsets[expert + 1] - offsets[expert]
         index = torch.arange(first, first + count)
         grouped[start : start + count] = index
-        pair[start : start + count] = index if pairs is None else pairs.cpu()[index].long()
+        pair[start : start + count] = index if sorted_pairs is None else sorted_pairs[index]
     return pair, grouped
 
 
