@@ -64,14 +64,37 @@ def grouped_problem(layout: str, gated: bool = True):
     return x_q, x_s, pairs, offsets, weights, top_k if pairs is not None else 1, num_slots
 
 
+@pytest.mark.parametrize("num_local", [1, 5, 40])
+def test_pad_offsets_is_a_hand_count(num_local):
+    """Block starts for counts of 0, exact multiples of ROW_ALIGN and others; a number of experts
+    short of a power of two (the kernel's masked lanes)."""
+    g = torch.Generator().manual_seed(num_local)
+    counts = torch.randint(0, 70, (num_local,), generator=g)
+    counts[::3] = 0
+    counts[1::4] = 32
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    align = scaled_mm_rows.ROW_ALIGN
+    want, start = [0], 0
+    for count in counts.tolist():
+        start += -(-count // align) * align
+        want.append(start)
+    padded = torch.full((num_local + 1,), -5, dtype=torch.int32, device=DEVICE)
+    scaled_mm_rows.pad_offsets(offsets.to(DEVICE), padded)
+    assert padded.tolist() == want
+    assert scaled_mm_rows.padded_offsets_spec(offsets).tolist() == want
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_group_rows_is_its_spec_bitwise(layout):
     x_q, x_s, pairs, offsets, _, top_k, num_slots = grouped_problem(layout)
     want = scaled_mm_rows.group_rows_spec(
         x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
     )
-    padded = scaled_mm_rows.padded_offsets(offsets)
+    stale = torch.full_like(offsets, 99)
+    padded = scaled_mm_rows.pad_offsets(offsets, stale)
+    assert padded is stale and torch.equal(padded, scaled_mm_rows.padded_offsets_spec(offsets))
     bounds = padded.tolist()
+    assert bounds[0] == 0
     align = scaled_mm_rows.ROW_ALIGN
     counts = (offsets[1:] - offsets[:-1]).tolist()
     sizes = [end - start for start, end in itertools.pairwise(bounds)]
@@ -113,7 +136,7 @@ def test_activate_rows_matches_its_spec(layout, gated):
     _, _, pair_of, _ = scaled_mm_rows.group_rows_spec(
         x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
     )
-    padded = scaled_mm_rows.padded_offsets(offsets)
+    padded = scaled_mm_rows.padded_offsets_spec(offsets).to(DEVICE)
     bounds = padded.tolist()
     total = bounds[-1]
     g = torch.Generator().manual_seed(2)

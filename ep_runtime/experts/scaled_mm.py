@@ -12,15 +12,20 @@ experts. The choice is per layer: an exact-mode layer without a bound is sized f
 
 A forward (kernels in ``kernels/scaled_mm_rows.py``): ``q(x)`` as dispatched or quantized here;
 STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows copied into one padded
-block per expert with their scales laid out as cuBLAS wants; GEMM1 per expert into fp32; the
-activation, the contract's quantizer and the router weight (folded into GEMM2's row scales) in
-one pass; GEMM2 per expert into the compute dtype; each row's slots added in slot order
-(``kernels/sum_rows.py``). fp32 accumulation and activation as the contract says.
+block per expert with their scales laid out as cuBLAS wants; GEMM1 per expert into fp32 (the
+experts alternating between two streams); the activation, the contract's quantizer and the
+router weight (folded into GEMM2's row scales) in one pass; GEMM2 per expert into the compute
+dtype; each row's slots added in slot order (``kernels/sum_rows.py``). fp32 accumulation and
+activation as the contract says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -35,6 +40,24 @@ from ep_runtime.experts.base import (
 )
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, DispatchMode, TopkLayout
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """One forward's buffers in expert blocks (``P'`` block rows) and what the activation
+    reads."""
+
+    rows: torch.Tensor  # [≥ P', H] e4m3, GEMM1's input
+    row_scales: torch.Tensor  # [≥ P'·H/128] fp32 block scales
+    pair_of: torch.Tensor  # [≥ P'] int32, -1 = padding
+    padded: torch.Tensor  # [L + 1] int32 block starts (on the device)
+    weights: torch.Tensor  # [R, K'] fp32 router weights
+    up_out: torch.Tensor  # [P', 2I | I] fp32, GEMM1's output
+    act: torch.Tensor  # [P', I] e4m3, q(act)
+    act_scales: torch.Tensor  # [P'·I/128] fp32, × the router weight
+    down_out: torch.Tensor  # [P', H] compute dtype, GEMM2's (weighted) output
+    top_k: int
+    sorted_pairs: bool  # pair_of holds row·K + slot (STANDARD), else the row (EXPANDED)
 
 
 @EXPERTS.register
@@ -104,6 +127,7 @@ class ScaledMMExperts(Experts):
         self.num_local = self.placement.num_local_experts
         self.buffers = WorkBuffers(setup.device)
         self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=setup.device)
+        self._padded = torch.zeros_like(self._offsets)  # the block starts
         on_cuda = setup.device.type == "cuda"
         streams = self.gemm_streams if on_cuda else 0
         self._streams = [torch.cuda.Stream(setup.device) for _ in range(streams)]
@@ -141,39 +165,73 @@ class ScaledMMExperts(Experts):
     def release_workspace(self) -> None:
         self.buffers.clear()
 
-    def _per_expert_gemm(
+    def _block_gemm(
         self,
-        rows: torch.Tensor,  # [P', K] e4m3 in blocks
-        block_scales: torch.Tensor,  # [P'·K/128] fp32
-        weights: list[tuple[torch.Tensor, torch.Tensor]],  # per expert: [K, N] e4m3, scales
-        out: torch.Tensor,  # [P', N]
-        bounds: list[int],
-    ) -> torch.Tensor:
-        """``out[block e] = rows[block e] · B[e]``, block scales applied by cuBLAS, on the
-        side streams (they start after, and the current stream continues after, all of them;
-        every tensor here outlives the forward, so no allocation crosses streams)."""
+        rows: torch.Tensor,  # [M, K] e4m3: one expert's block
+        block_scales: torch.Tensor,  # [P'·K/128] fp32, all blocks
+        start: int,  # the block's first row
+        weight: tuple[torch.Tensor, torch.Tensor],  # [K, N] e4m3, its 128×128 scales
+        out: torch.Tensor,  # [M, N]
+    ) -> None:
+        """``out = rows · B``, block scales applied by cuBLAS."""
         groups = rows.size(1) // BLOCK
-        streams = self._streams  # none off CUDA (the adapter tests): the current device's order
-        current = torch.cuda.current_stream(rows.device) if streams else None
+        torch._scaled_mm(
+            rows,
+            weight[0],
+            scale_a=self._rows.block_scales_view(block_scales, start, start + rows.size(0), groups),
+            scale_b=weight[1],
+            out_dtype=out.dtype,
+            out=out,
+        )
+
+    def _run_experts(self, blocks: _Blocks, bounds: list[int]) -> None:
+        """GEMM1 per expert, the activation of all block rows in one pass, GEMM2 per expert.
+        The host issues the GEMMs one by one, so their Python is kept short: each buffer's
+        blocks come from one ``split``."""
+        sizes = [end - start for start, end in itertools.pairwise(bounds)]
+        rows = blocks.rows[: bounds[-1]].split(sizes)
+        up_out = blocks.up_out.split(sizes)
+        act = blocks.act.split(sizes)
+        down_out = blocks.down_out.split(sizes)
+        nonempty = self._nonempty_groups(bounds)
+        with self._side_streams(blocks.rows.device) as take_turn:
+            for turn, (expert, start, _) in enumerate(nonempty):
+                take_turn(turn)
+                self._block_gemm(
+                    rows[expert], blocks.row_scales, start, self.up[expert], up_out[expert]
+                )
+        self._rows.activate_rows(
+            blocks.up_out, blocks.pair_of, blocks.weights, blocks.padded, blocks.act,
+            blocks.act_scales, top_k=blocks.top_k, gated=self.activation.is_gated,
+            sorted_pairs=blocks.sorted_pairs,
+        )  # fmt: skip
+        with self._side_streams(blocks.rows.device) as take_turn:
+            for turn, (expert, start, _) in enumerate(nonempty):
+                take_turn(turn)
+                self._block_gemm(
+                    act[expert], blocks.act_scales, start, self.down[expert], down_out[expert]
+                )
+
+    @contextlib.contextmanager
+    def _side_streams(self, device: torch.device) -> Iterator[Callable[[int], None]]:
+        """Yields ``take_turn(i)``: makes side stream ``i mod n`` current, so experts issued in
+        turn alternate and each stream gets work as soon as the host has it. The side streams
+        start after, and the current stream continues after, all of them (every tensor used
+        in between outlives the forward, so no allocation crosses streams). Off CUDA (the
+        adapter tests) there are none and everything runs in order."""
+        streams = self._streams
+        if not streams:
+            yield lambda turn: None
+            return
+        current = torch.cuda.current_stream(device)
         for stream in streams:
             stream.wait_stream(current)
-        lanes = streams or [None]
-        nonempty = self._nonempty_groups(bounds)
-        for first, stream in enumerate(lanes):  # experts round-robin, one stream switch each
-            with torch.cuda.stream(stream):
-                for expert, start, end in nonempty[first :: len(lanes)]:
-                    weight, weight_scales = weights[expert]
-                    torch._scaled_mm(
-                        rows[start:end],
-                        weight,
-                        scale_a=self._rows.block_scales_view(block_scales, start, end, groups),
-                        scale_b=weight_scales,
-                        out_dtype=out.dtype,
-                        out=out[start:end],
-                    )
-        for stream in streams:
-            current.wait_stream(stream)
-        return out
+        try:
+            yield lambda turn: torch.cuda.set_stream(streams[turn % len(streams)])
+        finally:
+            torch.cuda.set_stream(current)
+            for stream in streams:
+                current.wait_stream(stream)
 
     def _block_starts(self, padded: torch.Tensor) -> list[int]:
         """``padded`` on the host: on CUDA from the pinned copy made before group_rows was
@@ -205,7 +263,7 @@ class ScaledMMExperts(Experts):
                 local_offset=self.placement.local_expert_offset,
                 num_local=self.num_local,
             )
-        padded = self._rows.padded_offsets(offsets)
+        padded = self._rows.pad_offsets(offsets, self._padded)
         if self._padded_copied is not None:
             self._host_padded.copy_(padded, non_blocking=True)
             self._padded_copied.record()
@@ -220,14 +278,18 @@ class ScaledMMExperts(Experts):
         )  # fmt: skip
         bounds = self._block_starts(padded)  # the host read: cuBLAS takes each expert's rows
         total = bounds[-1]
-        h = get("h", total, self.up_rows, torch.float32)  # [P', 2I | I]
-        self._per_expert_gemm(rows, row_scales.view(-1), self.up, h, bounds)
-        act = get("act", total, width, FP8_DTYPE)  # [P', I]
-        act_scales = get("act_scales", total * (width // BLOCK), 1, torch.float32).view(-1)
-        self._rows.activate_rows(
-            h, pair_of, dispatched.topk_weights, padded, act, act_scales, top_k=top_k,
-            gated=self.activation.is_gated, sorted_pairs=pairs is not None,
-        )  # fmt: skip
-        y = get("y", total, self.config.hidden_size, self.setup.dtype)  # [P', H], weighted
-        self._per_expert_gemm(act, act_scales, self.down, y, bounds)
-        return self._sum.triton_sum_rows(y, positions.view(num_rows, top_k), out)
+        blocks = _Blocks(
+            rows=rows,
+            row_scales=row_scales.view(-1),
+            pair_of=pair_of,
+            padded=padded,
+            weights=dispatched.topk_weights,
+            up_out=get("h", total, self.up_rows, torch.float32),  # [P', 2I | I]
+            act=get("act", total, width, FP8_DTYPE),  # [P', I]
+            act_scales=get("act_scales", total * (width // BLOCK), 1, torch.float32).view(-1),
+            down_out=get("y", total, self.config.hidden_size, self.setup.dtype),  # [P', H]
+            top_k=top_k,
+            sorted_pairs=pairs is not None,
+        )
+        self._run_experts(blocks, bounds)
+        return self._sum.triton_sum_rows(blocks.down_out, positions.view(num_rows, top_k), out)

@@ -7,6 +7,8 @@ rows as a contiguous ``[M, K]`` e4m3 matrix and their scales as ``[M, K/128]`` *
 padded to ``ROW_ALIGN`` rows, and each block's scales are stored transposed, ``[K/128, M]``
 row-major, at ``start·K/128`` of one flat buffer ("block scales").
 
+* ``pad_offsets``: the block starts (each expert's row count rounded up to ``ROW_ALIGN``), in
+  one launch.
 * ``group_rows``: the dispatched ``q(x)`` rows copied into the blocks (STANDARD's pairs gathered
   by row, EXPANDED's rows as they are), their scales into block scales; padding rows are zero
   with zero scales. Also each block row's pair (STANDARD: ``row·K + slot``; EXPANDED: the
@@ -36,7 +38,7 @@ COPY_BLOCK = 1024  # bytes of a row one step of group_rows copies
 MAX_GROUPS = 8  # 128-column groups one program of activate_rows quantizes
 
 
-def padded_offsets(offsets: torch.Tensor) -> torch.Tensor:
+def padded_offsets_spec(offsets: torch.Tensor) -> torch.Tensor:
     """``[L + 1]`` int32 block starts: each expert's row count rounded up to ``ROW_ALIGN``."""
     counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
     padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
@@ -44,7 +46,8 @@ def padded_offsets(offsets: torch.Tensor) -> torch.Tensor:
 
 
 def max_block_rows(num_grouped: int, num_local: int) -> int:
-    """A bound on ``padded_offsets(offsets)[L]`` for ``offsets[L] ≤ num_grouped`` (no host read)."""
+    """A bound on the block rows, ``padded_offsets_spec(offsets)[L]``, for ``offsets[L] ≤
+    num_grouped`` (no host read)."""
     return num_grouped + num_local * (ROW_ALIGN - 1)
 
 
@@ -94,8 +97,8 @@ def group_rows_spec(
     num_slots: int,  # R·K: entries of ``positions``
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rows [P', H] e4m3, block scales [P'·H/128] fp32, pair_of [P'] int32, positions [R·K]
-    int32)`` for ``P' = padded_offsets(offsets)[L]``."""
-    bounds = padded_offsets(offsets).tolist()
+    int32)`` for ``P' = padded_offsets_spec(offsets)[L]``."""
+    bounds = padded_offsets_spec(offsets).tolist()
     pair, grouped = _block_rows(offsets.tolist(), bounds, pairs)
     served = pair >= 0
     source = torch.where(served, pair // top_k if pairs is not None else grouped, 0)
@@ -117,7 +120,7 @@ def activate_rows_spec(
     y: torch.Tensor,  # [P', 2I | I] fp32 GEMM1 output, rows [gate | up] when gated
     pair_of: torch.Tensor,  # [P'] int32, -1 = padding
     weights: torch.Tensor,  # [R, K'] fp32 router weights
-    bounds: list[int],  # padded_offsets(offsets) on the host
+    bounds: list[int],  # padded_offsets_spec(offsets) on the host
     *,
     gated: bool,
     sorted_pairs: bool,  # pair_of holds row·K + slot (STANDARD), else the row (EXPANDED)
@@ -134,6 +137,17 @@ def activate_rows_spec(
 
 
 # --------------------------------------------------------------------------- Triton kernels
+
+
+@kernel
+def _pad_kernel(offsets, padded, num_local, LP: tl.constexpr, ALIGN: tl.constexpr):
+    """One program: the block starts, each expert's row count rounded up, summed in order."""
+    e = tl.arange(0, LP)
+    ok = e < num_local
+    counts = tl.load(offsets + 1 + e, mask=ok, other=0) - tl.load(offsets + e, mask=ok, other=0)
+    ends = tl.cumsum((counts + ALIGN - 1) // ALIGN * ALIGN, 0)
+    tl.store(padded + 1 + e, ends, mask=ok)
+    tl.store(padded + e, tl.zeros_like(e), mask=e == 0)
 
 
 @jit
@@ -247,12 +261,20 @@ def _activate_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+def pad_offsets(offsets: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    """``padded_offsets_spec(offsets)`` into ``padded`` ([L + 1] int32), in one launch (the
+    spec's ten small ops cost the host more than the whole launch)."""
+    num_local = offsets.numel() - 1
+    _pad_kernel[(1,)](offsets, padded, num_local, LP=pow2(num_local), ALIGN=ROW_ALIGN)
+    return padded
+
+
 def group_rows(
     x_q: torch.Tensor,  # [R, H] e4m3 (columns contiguous)
     x_s: torch.Tensor,  # [R, H/128] fp32 (columns contiguous)
     pairs: torch.Tensor | None,  # [P] int32 or None
     offsets: torch.Tensor,  # [L + 1] int32
-    padded: torch.Tensor,  # [L + 1] int32, padded_offsets(offsets)
+    padded: torch.Tensor,  # [L + 1] int32, pad_offsets' output
     rows: torch.Tensor,  # [≥ P', H] e4m3 out: max_block_rows rows (the grid)
     block_scales: torch.Tensor,  # [≥ P'·H/128] fp32 out
     pair_of: torch.Tensor,  # [≥ P'] int32 out
