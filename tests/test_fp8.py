@@ -105,16 +105,23 @@ def test_weight_quantizer_round_trip():
 # --- the layer at world size 1 -------------------------------------------------------------------
 
 
-def fp8_inputs(activation: str, dtype: torch.dtype, tokens: int = 40, seed: int = 0):
+def fp8_inputs(
+    activation: str,
+    dtype: torch.dtype,
+    tokens: int = 40,
+    seed: int = 0,
+    hidden: int = H,
+    intermediate: int = I,
+):
     """Weights generated in bf16 and quantized per block (the launcher's recipe); ids with -1
     slots and a token served by nobody; NaN weights on -1 slots."""
     generator = torch.Generator().manual_seed(seed)
-    rows = 2 * I if activation == "silu" else I
-    w13 = (torch.randn(E, rows, H, generator=generator) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=generator) / I**0.5).to(torch.bfloat16)
+    rows = 2 * intermediate if activation == "silu" else intermediate
+    w13 = (torch.randn(E, rows, hidden, generator=generator) / hidden**0.5).to(torch.bfloat16)
+    w2 = torch.randn(E, hidden, intermediate, generator=generator) / intermediate**0.5
     q13, s13 = quantize_weight_blocks(w13)
-    q2, s2 = quantize_weight_blocks(w2)
-    x = torch.randn(tokens, H, generator=generator).to(dtype)
+    q2, s2 = quantize_weight_blocks(w2.to(torch.bfloat16))
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     ids = torch.rand(tokens, E, generator=generator).topk(K, dim=1).indices
     ids = torch.where(torch.rand(tokens, K, generator=generator) < 0.15, -1, ids)
     ids[tokens // 2] = -1

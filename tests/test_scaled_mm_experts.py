@@ -31,7 +31,6 @@ from ep_runtime.quantization import (
     BLOCK,
     Fp8BlockWeights,
     dequantize_weight_blocks,
-    quantize_weight_blocks,
 )
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
@@ -221,18 +220,8 @@ def test_adapter_logic_with_a_stand_in_for_scaled_mm_expanded(monkeypatch):
 
 
 def cublas_inputs(activation: str, tokens: int = 48, seed: int = 0):
-    """tests/test_fp8.py's recipe at H = I = 512 (cuBLAS takes K in multiples of 4 blocks)."""
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(E, (2 if activation == "silu" else 1) * BIG, BIG, generator=g) / BIG**0.5
-    w2 = torch.randn(E, BIG, BIG, generator=g) / BIG**0.5
-    x = torch.randn(tokens, BIG, generator=g).to(torch.bfloat16)
-    ids = torch.rand(tokens, E, generator=g).topk(K, dim=1).indices
-    ids = torch.where(torch.rand(tokens, K, generator=g) < 0.15, -1, ids)
-    ids[tokens // 2] = -1
-    weights = torch.where(ids >= 0, 0.25 + 1.5 * torch.rand(tokens, K, generator=g), float("nan"))
-    q13, s13 = quantize_weight_blocks(w13.to(torch.bfloat16))
-    q2, s2 = quantize_weight_blocks(w2.to(torch.bfloat16))
-    return x, ids, weights, (q13, s13, q2, s2)
+    """``fp8_inputs`` at H = I = 512 (cuBLAS takes K in multiples of 4 blocks)."""
+    return fp8_inputs(activation, torch.bfloat16, tokens, seed, hidden=BIG, intermediate=BIG)
 
 
 @pytest.mark.skipif(HOPPER_MISSING is not None, reason=str(HOPPER_MISSING))
