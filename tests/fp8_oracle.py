@@ -89,8 +89,11 @@ def fp8_moe_oracle(
     w2_scale_inv: torch.Tensor,  # [E, H/128, I/128]
     activation: str,
     quantize_activations: bool = True,  # False: the same weights, activations unquantized
+    gemm1_output_dtype: torch.dtype | None = None,  # GEMM1's sums rounded to it (a backend's)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H] fp64, scale [T] = Σ_k |w_k|·‖term_k‖)`` for ep_runtime.tolerance."""
+    """``(out [T, H] fp64, scale [T] = Σ_k |w_k|·‖term_k‖)`` for ep_runtime.tolerance. With
+    ``gemm1_output_dtype``, the variant of a backend that stores GEMM1's output in that dtype
+    before the activation (the activation then runs on the rounded values)."""
     maybe_q = fake_quantize if quantize_activations else (lambda v: v.double())
     out = torch.zeros(x.shape, dtype=torch.float64)
     scale = torch.zeros(x.size(0), dtype=torch.float64)
@@ -98,6 +101,8 @@ def fp8_moe_oracle(
     for expert in ids[ids >= 0].unique().tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
         h = maybe_q(x[tokens]) @ dequantize_blocks(w13[expert], w13_scale_inv[expert]).T
+        if gemm1_output_dtype is not None:
+            h = h.to(gemm1_output_dtype).double()
         y = maybe_q(act(h, activation)) @ dequantize_blocks(w2[expert], w2_scale_inv[expert]).T
         term = topk_weights[tokens, slots].double().unsqueeze(1) * y
         out.index_add_(0, tokens, term)

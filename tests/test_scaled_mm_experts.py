@@ -1,7 +1,7 @@
-"""The ``scaled_mm`` experts backend (cuBLAS block-scaled fp8 GEMMs per expert): its row kernels
-(``kernels/scaled_mm_rows.py``) against their torch specs, its adapter logic on CPU with a stand-in
-for ``torch._scaled_mm`` against the fp64 oracle of the contract, and on a Hopper GPU the real
-layer against the oracle and the fp8 twin (``experts="reference"``).
+"""The ``scaled_mm`` experts backend (cuBLAS block-scaled fp8 GEMMs per expert): its adapter logic
+on CPU with a stand-in for ``torch._scaled_mm`` against the fp64 oracle of the contract, and on a
+Hopper GPU the real layer against the oracle and the fp8 twin (``experts="reference"``). Its row
+kernels are tested in tests/test_block_rows.py.
 
 On CPU the row kernels run under Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``); cuBLAS does not run there, so the stand-in below imitates only what our
@@ -11,7 +11,6 @@ replaces the GPU test.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
@@ -25,7 +24,7 @@ from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.experts.base import ExpertsSetup
 from ep_runtime.experts.scaled_mm import ScaledMMExperts
 from ep_runtime.experts.triton import TritonExperts
-from ep_runtime.kernels import scaled_mm_rows
+from ep_runtime.kernels import block_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import (
     BLOCK,
@@ -36,7 +35,7 @@ from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
 from tests import fp8_oracle
 from tests.test_fp8 import fp8_inputs, judge
-from tests.test_fp8_triton import assert_neighbouring_codes, gemm_problem, on_device
+from tests.test_fp8_triton import on_device
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -53,120 +52,12 @@ BIG = 512  # H and I of the cuBLAS tests: K in multiples of 4 blocks
 LAYOUTS = ["standard", "expanded"]
 
 
-def grouped_problem(layout: str, gated: bool = True):
-    """gemm_problem's rows (an expert with no rows, a row served by nobody, NaN in it) on the
-    device, with the block starts."""
-    x_q, x_s, _, _, _, _, offsets, pairs, weights, top_k, rows = on_device(
-        *gemm_problem(gated, layout)
-    )
-    num_slots = rows * top_k if pairs is not None else x_q.size(0)
-    return x_q, x_s, pairs, offsets, weights, top_k if pairs is not None else 1, num_slots
-
-
-@pytest.mark.parametrize("num_local", [1, 5, 40])
-def test_pad_offsets_is_a_hand_count(num_local):
-    """Block starts for counts of 0, exact multiples of ROW_ALIGN and others; a number of experts
-    short of a power of two (the kernel's masked lanes)."""
-    g = torch.Generator().manual_seed(num_local)
-    counts = torch.randint(0, 70, (num_local,), generator=g)
-    counts[::3] = 0
-    counts[1::4] = 32
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    align = scaled_mm_rows.ROW_ALIGN
-    want, start = [0], 0
-    for count in counts.tolist():
-        start += -(-count // align) * align
-        want.append(start)
-    padded = torch.full((num_local + 1,), -5, dtype=torch.int32, device=DEVICE)
-    scaled_mm_rows.pad_offsets(offsets.to(DEVICE), padded)
-    assert padded.tolist() == want
-    assert scaled_mm_rows.padded_offsets_spec(offsets).tolist() == want
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_group_rows_is_its_spec_bitwise(layout):
-    x_q, x_s, pairs, offsets, _, top_k, num_slots = grouped_problem(layout)
-    want = scaled_mm_rows.group_rows_spec(
-        x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
-    )
-    stale = torch.full_like(offsets, 99)
-    padded = scaled_mm_rows.pad_offsets(offsets, stale)
-    assert padded is stale and torch.equal(padded, scaled_mm_rows.padded_offsets_spec(offsets))
-    bounds = padded.tolist()
-    assert bounds[0] == 0
-    align = scaled_mm_rows.ROW_ALIGN
-    counts = (offsets[1:] - offsets[:-1]).tolist()
-    sizes = [end - start for start, end in itertools.pairwise(bounds)]
-    assert sizes == [-(-count // align) * align for count in counts]  # an empty expert: 0
-    total = bounds[-1]
-    bound = scaled_mm_rows.max_block_rows(num_slots, offsets.numel() - 1)  # the launch grid
-    assert total <= bound
-    rows = torch.full((bound, H), 1.0, device=DEVICE).to(x_q.dtype)  # stale codes to overwrite
-    scales = torch.full((bound * H // BLOCK,), float("nan"), device=DEVICE)
-    pair_of = torch.full((bound,), 7, dtype=torch.int32, device=DEVICE)
-    positions = torch.zeros(num_slots, dtype=torch.int32, device=DEVICE)
-    scaled_mm_rows.group_rows(
-        x_q, x_s, pairs, offsets, padded, rows, scales, pair_of, positions, top_k=top_k
-    )
-    assert torch.equal(rows[:total].view(torch.uint8), want[0].view(torch.uint8))
-    assert torch.equal(scales[: total * H // BLOCK], want[1])
-    assert torch.equal(pair_of[:total], want[2]) and torch.equal(positions, want[3])
-    assert (pair_of[total:] == 7).all()  # past the block rows the grid's programs write nothing
-    pair_of = pair_of[:total]
-    # a hand count: every served slot has one block row, and that row holds its pair
-    served = int(offsets[-1])
-    assert int((positions >= 0).sum()) == served == int((pair_of >= 0).sum())
-    placed = positions[positions >= 0].long()
-    assert torch.equal(pair_of[placed].long(), (positions >= 0).nonzero().view(-1))
-
-
-def block_scales_by_row(flat: torch.Tensor, bounds: list[int], groups: int) -> torch.Tensor:
-    """The flat block-scale buffer back to ``[P', groups]``, one row per block row."""
-    views = [
-        scaled_mm_rows.block_scales_view(flat, a, b, groups) for a, b in itertools.pairwise(bounds)
-    ]
-    return torch.cat(views)
-
-
-@pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_activate_rows_matches_its_spec(layout, gated):
-    x_q, x_s, pairs, offsets, weights, top_k, num_slots = grouped_problem(layout, gated)
-    _, _, pair_of, _ = scaled_mm_rows.group_rows_spec(
-        x_q, x_s, pairs, offsets, top_k=top_k, num_slots=num_slots
-    )
-    padded = scaled_mm_rows.padded_offsets_spec(offsets).to(DEVICE)
-    bounds = padded.tolist()
-    total = bounds[-1]
-    g = torch.Generator().manual_seed(2)
-    y = (torch.randn(total, (2 if gated else 1) * I, generator=g) * 4).to(DEVICE)
-    y[pair_of < 0] = float("nan")  # padding rows: never read
-    want_q, want_s = scaled_mm_rows.activate_rows_spec(
-        y, pair_of, weights, bounds, gated=gated, sorted_pairs=pairs is not None
-    )
-    q = torch.full((total, I), 3.0, device=DEVICE).to(want_q.dtype)  # stale codes
-    s = torch.full((total * I // BLOCK,), float("nan"), device=DEVICE)
-    scaled_mm_rows.activate_rows(
-        y, pair_of, weights, padded, q, s, top_k=top_k, gated=gated,
-        sorted_pairs=pairs is not None,
-    )  # fmt: skip
-    # back to one row per block row to compare codes; padding rows: zero codes, zero scales
-    per_row, per_row_want = (block_scales_by_row(flat, bounds, I // BLOCK) for flat in (s, want_s))
-    served = (pair_of >= 0).cpu()
-    assert not q.cpu()[~served].float().any() and not per_row.cpu()[~served].any()
-    order = served.nonzero().view(-1)
-    assert_neighbouring_codes(
-        q.cpu()[order], per_row.cpu()[order], want_q.cpu()[order], per_row_want.cpu()[order],
-        order.numel(),
-    )  # fmt: skip
-
-
 def scaled_mm_stand_in(a, b, *, scale_a, scale_b, out_dtype, out):
     """Imitates ``torch._scaled_mm`` with 1×128 / 128×128 block scales, for our adapter logic
     only: the layouts torch checks (row-major ``a``, column-major ``b``, ``scale_a`` outer-dim
     major, ``scale_b``'s transpose row-major), then the block-scaled product in fp64."""
     (m, k), n = a.shape, b.size(1)
-    assert m % scaled_mm_rows.ROW_ALIGN == 0  # cuBLAS had no kernel for some row counts
+    assert m % block_rows.CUBLAS.align == 0  # cuBLAS had no kernel for some row counts
     assert a.is_contiguous() and b.t().is_contiguous()
     assert scale_a.shape == (m, k // BLOCK) and scale_a.stride() == (1, m)
     assert scale_b.shape == (k // BLOCK, n // BLOCK) and scale_b.t().is_contiguous()

@@ -3,8 +3,11 @@ GPU, world size 1, STANDARD, K = 8, balanced routing; ``--dispatcher``
 ``torch_a2a`` (the default, as every earlier figure) or ``local``, the one ``"auto"`` takes at a
 world of one).
 
-Each point runs with both layers on the ``triton`` experts; the prefill point also with what
-``"auto"`` takes there (fp8: ``scaled_mm``, cuBLAS's block-scaled GEMMs; bf16: ``grouped_mm``).
+Each point runs with both layers on the ``triton`` experts; the prefill point also with the
+other fp8 experts (``scaled_mm``, cuBLAS's block-scaled GEMM per expert; ``deepgemm``, DeepGEMM's
+m-grouped GEMM, what ``"auto"`` takes where ``deep_gemm`` is installed) against ``triton`` and
+``grouped_mm`` (bf16's ``"auto"`` choice); ``deepgemm`` also at the DeepSeek-V3 decode point.
+Rows whose backend cannot run here are printed with the reason, not timed.
 Per point, in one run: weights generated in bf16 and quantized per 128×128 block; the fp8 layer
 (fp8 dispatch: rows sent as e4m3 + scales) on the quantized weights and the bf16 layer on the
 same weights dequantized. Decode points (T = 128, capacity mode) are timed replayed as CUDA
@@ -28,10 +31,12 @@ from pathlib import Path
 
 import torch
 
-from ep_runtime import EPMoE
+from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.bench.layer import Point, add_layer_flags, build_layer, inputs, time_ms
 from ep_runtime.bench.timing import back_to_back_ms, graph_replay_ms
+from ep_runtime.experts import EXPERTS, ExpertsSetup
 from ep_runtime.kernels.layout import RowFormat
+from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import dequantize_weight_blocks, quantize_weight_blocks
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -41,14 +46,17 @@ POINTS = (
     Point("qwen3-30b-a3b-decode", 128, 128, 2048, 768, 8, "capacity", "standard"),
     Point("deepseek-v3-ep8-shard-prefill", 32, 4096, 7168, 2048, 8, "exact", "standard"),
 )
-# (point, fp8 experts, bf16 experts): the prefill point with each layer's Triton experts, then
-# with what "auto" takes there (fp8: cuBLAS's block-scaled GEMMs; bf16: grouped_mm)
+# (point, fp8 experts, bf16 experts): each point with both layers' Triton experts, then the
+# other fp8 experts against the bf16 Triton experts and grouped_mm ("auto"'s bf16 choice)
 RUNS = (
     (POINTS[0], "triton", "triton"),
+    (POINTS[0], "deepgemm", "triton"),
     (POINTS[1], "triton", "triton"),
     (POINTS[2], "triton", "triton"),
     (POINTS[2], "scaled_mm", "triton"),
     (POINTS[2], "scaled_mm", "grouped_mm"),
+    (POINTS[2], "deepgemm", "triton"),
+    (POINTS[2], "deepgemm", "grouped_mm"),
 )
 SAMPLE = 64  # tokens checked against the twin
 GRAPH_FORWARDS = 10  # forwards in one graph for the in-graph time (a captured model's layers)
@@ -148,6 +156,17 @@ def measure(
     )
 
 
+def fp8_refusal(point: Point, device: torch.device, experts: str) -> str | None:
+    """Why the fp8 experts backend cannot run this point here (a package, the GPU), else None."""
+    config = MoEConfig(
+        point.num_experts, point.top_k, point.hidden, point.intermediate, dtype=BF16,
+        quantization="fp8_block",
+    )  # fmt: skip
+    placement = ExpertPlacement(point.num_experts, 0, 1)
+    setup = ExpertsSetup(config, placement, device, BF16, token_cap=point.tokens)
+    return EXPERTS[experts].refusal(setup, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -173,9 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{header}  {many_header:34}  twin (max rel)  fp8-vs-bf16 (median/max)  row bytes")
     rows = []
     for point, fp8_experts, bf16_experts in RUNS:
+        label = f"{point.name} [{fp8_experts} / {bf16_experts}]"
+        refusal = fp8_refusal(point, device, fp8_experts)
+        if refusal is not None:
+            print(f"{label:54} not run: {fp8_experts} {refusal}")
+            continue
         row = measure(point, device, fp8_experts, bf16_experts, **options)
         rows.append(row)
-        label = f"{row.point} [{fp8_experts} / {bf16_experts}]"
         many = f"{row.bf16_ms_many:9.4f} {row.fp8_ms_many:9.4f} {row.ratio_many:6.3f}"
         print(
             f"{label:54} {row.bf16_ms:9.4f} {row.fp8_ms:9.4f} {row.ratio:6.3f} "

@@ -32,6 +32,9 @@ class ExpertsCapabilities:
     quantizations: frozenset[Quantization | None] = frozenset({None})  # None = compute dtype
     # a forward reads no device value on the host: the layer may replay it as a CUDA graph
     graph_capturable: bool = False
+    # fp8 layers: the dtype GEMM1's fp32 sums are stored in before the activation (None: they
+    # stay fp32, as the contract says; a backend that rounds them declares it, and is tested so)
+    gemm1_output_dtype: torch.dtype | None = None
     description: str = ""
 
 

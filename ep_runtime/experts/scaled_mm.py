@@ -10,13 +10,13 @@ promise of no sync). ``"auto"`` picks it for exact-mode layers sized for
 the Triton fp8 GEMMs); capacity-mode layers (CUDA graphs) and smaller ones take the Triton
 experts. The choice is per layer: an exact-mode layer without a bound is sized for a prefill.
 
-A forward (kernels in ``kernels/scaled_mm_rows.py``): ``q(x)`` as dispatched or quantized here;
-STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows copied into one padded
-block per expert with their scales laid out as cuBLAS wants; GEMM1 per expert into fp32 (the
-experts alternating between two streams); the activation, the contract's quantizer and the
-router weight (folded into GEMM2's row scales) in one pass; GEMM2 per expert into the compute
-dtype; each row's slots added in slot order (``kernels/sum_rows.py``). fp32 accumulation and
-activation as the contract says.
+A forward (kernels in ``kernels/block_rows.py``, layout ``CUBLAS``): ``q(x)`` as dispatched
+or quantized here; STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows
+copied into one padded block per expert with their scales laid out as cuBLAS wants; GEMM1 per
+expert into fp32 (the experts alternating between two streams); the activation, the contract's
+quantizer and the router weight (folded into GEMM2's row scales) in one pass; GEMM2 per expert
+into the compute dtype; each row's slots added in slot order (``kernels/sum_rows.py``). fp32
+accumulation and activation as the contract says.
 """
 
 from __future__ import annotations
@@ -36,28 +36,21 @@ from ep_runtime.experts.base import (
     ExpertsCapabilities,
     ExpertsSetup,
     WorkBuffers,
-    quantized_rows,
 )
+from ep_runtime.experts.block_grouping import BlockGrouping, GroupedRows
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, DispatchMode, TopkLayout
 
 
 @dataclass(frozen=True)
 class _Blocks:
-    """One forward's buffers in expert blocks (``P'`` block rows) and what the activation
-    reads."""
+    """One forward's rows in expert blocks (``P'`` block rows) and the GEMMs' buffers."""
 
-    rows: torch.Tensor  # [≥ P', H] e4m3, GEMM1's input
-    row_scales: torch.Tensor  # [≥ P'·H/128] fp32 block scales
-    pair_of: torch.Tensor  # [≥ P'] int32, -1 = padding
-    padded: torch.Tensor  # [L + 1] int32 block starts (on the device)
-    weights: torch.Tensor  # [R, K'] fp32 router weights
+    grouped: GroupedRows
     up_out: torch.Tensor  # [P', 2I | I] fp32, GEMM1's output
     act: torch.Tensor  # [P', I] e4m3, q(act)
     act_scales: torch.Tensor  # [P'·I/128] fp32, × the router weight
     down_out: torch.Tensor  # [P', H] compute dtype, GEMM2's (weighted) output
-    top_k: int
-    sorted_pairs: bool  # pair_of holds row·K + slot (STANDARD), else the row (EXPANDED)
 
 
 @EXPERTS.register
@@ -78,7 +71,7 @@ class ScaledMMExperts(Experts):
     auto_min_tokens_per_rank: ClassVar[int] = 1024
     # cuBLAS (torch 2.11, CUDA 13.0, H100) gave wrong sums where K/128 was not a multiple of 4
     # (K 128, 256, 384, 768: errors of 1e3 and more); row counts of 1 and 17 had no kernel (16
-    # and 1000 ran), so each expert's block is padded to ROW_ALIGN rows
+    # and 1000 ran), so each expert's block is padded to block_rows.CUBLAS.align rows
     blocks_multiple: ClassVar[int] = 4
     # experts' GEMMs are spread round-robin over this many streams: one expert's last, partly
     # filled wave of tiles runs beside the next expert's first
@@ -117,17 +110,17 @@ class ScaledMMExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import expert_rows, scaled_mm_rows, sum_rows
+        from ep_runtime.kernels import block_rows, sum_rows
         from ep_runtime.kernels.expert_gemm import nonempty_groups
 
         self._nonempty_groups = nonempty_groups
-        self._sort = expert_rows
-        self._rows = scaled_mm_rows
+        self._rows = block_rows
         self._sum = sum_rows
         self.num_local = self.placement.num_local_experts
         self.buffers = WorkBuffers(setup.device)
-        self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=setup.device)
-        self._padded = torch.zeros_like(self._offsets)  # the block starts
+        self._grouping = BlockGrouping(
+            block_rows.CUBLAS, self.placement, self.buffers, with_ends=False
+        )
         on_cuda = setup.device.type == "cuda"
         streams = self.gemm_streams if on_cuda else 0
         self._streams = [torch.cuda.Stream(setup.device) for _ in range(streams)]
@@ -150,17 +143,14 @@ class ScaledMMExperts(Experts):
         maps, and the output (rows quantized here when they arrive unquantized)."""
         config = self.config
         hidden, width = config.hidden_size, config.intermediate_size
-        blocks = max_rows * config.top_k + self.num_local * self._rows.ROW_ALIGN
         element = self.setup.dtype.itemsize
         per_block_row = (
-            hidden + 4 * hidden // BLOCK  # e4m3 rows and their scales
-            + 4 * config.w13_rows  # GEMM1's fp32 output
+            4 * config.w13_rows  # GEMM1's fp32 output
             + width + 4 * width // BLOCK  # q(act) and its scales
             + element * hidden  # GEMM2's output
-            + 8  # pair_of; the pair sort's index
         )  # fmt: skip
-        per_row = element * hidden + hidden + 4 * hidden // BLOCK + 4 * config.top_k
-        return blocks * per_block_row + max_rows * per_row
+        blocks = self._grouping.workspace_bytes(max_rows, config.top_k, hidden, per_block_row)
+        return blocks + max_rows * element * hidden
 
     def release_workspace(self) -> None:
         self.buffers.clear()
@@ -188,24 +178,23 @@ class ScaledMMExperts(Experts):
         """GEMM1 per expert, the activation of all block rows in one pass, GEMM2 per expert.
         The host issues the GEMMs one by one, so their Python is kept short: each buffer's
         blocks come from one ``split``."""
+        grouped = blocks.grouped
         sizes = [end - start for start, end in itertools.pairwise(bounds)]
-        rows = blocks.rows[: bounds[-1]].split(sizes)
+        rows = grouped.rows[: bounds[-1]].split(sizes)
         up_out = blocks.up_out.split(sizes)
         act = blocks.act.split(sizes)
         down_out = blocks.down_out.split(sizes)
         nonempty = self._nonempty_groups(bounds)
-        with self._side_streams(blocks.rows.device) as take_turn:
+        with self._side_streams(grouped.rows.device) as take_turn:
             for turn, (expert, start, _) in enumerate(nonempty):
                 take_turn(turn)
                 self._block_gemm(
-                    rows[expert], blocks.row_scales, start, self.up[expert], up_out[expert]
+                    rows[expert], grouped.row_scales, start, self.up[expert], up_out[expert]
                 )
-        self._rows.activate_rows(
-            blocks.up_out, blocks.pair_of, blocks.weights, blocks.padded, blocks.act,
-            blocks.act_scales, top_k=blocks.top_k, gated=self.activation.is_gated,
-            sorted_pairs=blocks.sorted_pairs,
-        )  # fmt: skip
-        with self._side_streams(blocks.rows.device) as take_turn:
+        self._grouping.activate(
+            grouped, blocks.up_out, blocks.act, blocks.act_scales, gated=self.activation.is_gated
+        )
+        with self._side_streams(grouped.rows.device) as take_turn:
             for turn, (expert, start, _) in enumerate(nonempty):
                 take_turn(turn)
                 self._block_gemm(
@@ -241,55 +230,27 @@ class ScaledMMExperts(Experts):
         self._padded_copied.synchronize()
         return self._host_padded.tolist()
 
+    def _copy_block_starts(self, padded: torch.Tensor) -> None:
+        """On CUDA, start the block starts' copy to pinned host memory (``_block_starts``)."""
+        if self._padded_copied is not None:
+            self._host_padded.copy_(padded, non_blocking=True)
+            self._padded_copied.record()
+
     def forward(self, dispatched: Dispatched) -> torch.Tensor:
-        hidden = dispatched.hidden_states  # [R, H]
-        num_rows, width = hidden.size(0), self.config.intermediate_size
+        num_rows, width = dispatched.hidden_states.size(0), self.config.intermediate_size
         get = self.buffers.get
         out = get("out", num_rows, self.config.hidden_size, self.setup.dtype)  # [R, H]
         if num_rows == 0:
             return out
-        x_q, x_s = quantized_rows(dispatched, self.buffers)
-        if dispatched.layout is TopkLayout.EXPANDED:
-            assert dispatched.expert_offsets is not None
-            offsets, pairs, top_k = dispatched.expert_offsets, None, 1
-        else:
-            top_k = dispatched.topk_ids.size(1)
-            pairs = get("pairs", num_rows * top_k, 1, torch.int32).view(-1)  # [R·K]
-            offsets = self._offsets
-            self._sort.sort_pairs(
-                dispatched.topk_ids,
-                pairs,
-                offsets,
-                local_offset=self.placement.local_expert_offset,
-                num_local=self.num_local,
-            )
-        padded = self._rows.pad_offsets(offsets, self._padded)
-        if self._padded_copied is not None:
-            self._host_padded.copy_(padded, non_blocking=True)
-            self._padded_copied.record()
-        bound = self._rows.max_block_rows(num_rows * top_k, self.num_local)
-        rows = get("rows", bound, hidden.size(1), FP8_DTYPE)  # [P' ≤ bound, H]
-        row_scales = get("row_scales", bound * (hidden.size(1) // BLOCK), 1, torch.float32)
-        pair_of = get("pair_of", bound, 1, torch.int32).view(-1)
-        positions = get("positions", num_rows * top_k, 1, torch.int32).view(-1)
-        self._rows.group_rows(
-            x_q, x_s, pairs, offsets, padded, rows, row_scales.view(-1), pair_of, positions,
-            top_k=top_k,
-        )  # fmt: skip
-        bounds = self._block_starts(padded)  # the host read: cuBLAS takes each expert's rows
+        grouped = self._grouping.group(dispatched, self._copy_block_starts)
+        bounds = self._block_starts(grouped.padded)  # the host read: cuBLAS takes each block
         total = bounds[-1]
         blocks = _Blocks(
-            rows=rows,
-            row_scales=row_scales.view(-1),
-            pair_of=pair_of,
-            padded=padded,
-            weights=dispatched.topk_weights,
+            grouped=grouped,
             up_out=get("h", total, self.up_rows, torch.float32),  # [P', 2I | I]
             act=get("act", total, width, FP8_DTYPE),  # [P', I]
             act_scales=get("act_scales", total * (width // BLOCK), 1, torch.float32).view(-1),
             down_out=get("y", total, self.config.hidden_size, self.setup.dtype),  # [P', H]
-            top_k=top_k,
-            sorted_pairs=pairs is not None,
         )
         self._run_experts(blocks, bounds)
-        return self._sum.triton_sum_rows(blocks.down_out, positions.view(num_rows, top_k), out)
+        return self._sum.triton_sum_rows(blocks.down_out, grouped.positions, out)

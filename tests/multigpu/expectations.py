@@ -12,6 +12,7 @@ from ep_runtime.experts.triton import interpreting
 
 CUDA_ONLY = (
     "deepep_v2",
+    "deepgemm",
     "flashinfer_trtllm",
     "flashinfer_trtllm_fp8",
     "flashinfer_cutlass",
@@ -57,8 +58,12 @@ def expected_refusal(
         if arch not in (100, 103):
             return r"needs SM \[100, 103\]"
         return None if has_flashinfer else r"flashinfer is not importable"
-    if backend == "scaled_mm" and arch != 90:
+    if backend in ("scaled_mm", "deepgemm") and arch != 90:
         return r"needs SM \[90\]"
+    if backend == "deepgemm":
+        if dtype != torch.bfloat16:
+            return r"supports dtypes \['torch.bfloat16'\]"
+        return None if importlib.util.find_spec("deep_gemm") else r"deep_gemm is not installed"
     if backend == "flashinfer_cutlass":
         return r"module is not built" if has_flashinfer else r"flashinfer is not importable"
     return None

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime import EPInputError, EPMoE, MoEConfig
+from ep_runtime.experts import EXPERTS
 from ep_runtime.quantization import quantize_weight_blocks
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from tests.fp8_oracle import fp8_moe_oracle
@@ -50,9 +51,12 @@ def run_fp8_case(spec: CaseSpec, local_shards: bool = False) -> CaseResult:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, ids, weights = make_inputs(spec, rank)
     q13, s13, q2, s2 = quantized_weights(spec)
-    ref, scale = fp8_moe_oracle(x, ids, weights, q13, s13, q2, s2, spec.activation)
     layer = build_fp8_layer(spec)
     try:
+        rounding = EXPERTS[layer.choice.experts].capabilities.gemm1_output_dtype
+        ref, scale = fp8_moe_oracle(
+            x, ids, weights, q13, s13, q2, s2, spec.activation, gemm1_output_dtype=rounding
+        )
         if local_shards:
             num_local = spec.num_experts // world_size
             q13, s13, q2, s2 = (
