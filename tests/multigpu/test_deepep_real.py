@@ -10,6 +10,8 @@ slow, hence the long per-case timeout.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -131,12 +133,16 @@ def test_dispatch_is_bitwise(nccl_pool, world_size, mode, layout, quantization):
 @pytest.mark.parametrize("world_size", (1, *MULTI_RANK_SIZES))
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
 @pytest.mark.parametrize("layout", ["standard", "expanded"])
-@pytest.mark.parametrize("experts", ["reference", "triton", "scaled_mm"])
+@pytest.mark.parametrize("experts", ["reference", "triton", "scaled_mm", "deepgemm"])
 def test_fp8_layer_matches_the_oracle(nccl_pool, world_size, mode, layout, experts):
-    """The fp8 layer over DeepEP's fp8 dispatch against the fp64 oracle of the contract
-    (``scaled_mm``, what ``"auto"`` takes for prefill-sized fp8 layers, on Hopper only)."""
-    if experts == "scaled_mm" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("scaled_mm runs on SM90 only (cuBLAS's 1x128 / 128x128 fp8 scaling)")
+    """The fp8 layer over DeepEP's fp8 dispatch against the fp64 oracle of the contract (of its
+    declared variant for ``deepgemm``, what ``"auto"`` takes for prefill-sized fp8 layers where
+    DeepGEMM is installed; ``scaled_mm`` and ``deepgemm`` on Hopper only)."""
+    hopper_only = ("scaled_mm", "deepgemm")
+    if experts in hopper_only and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{experts} runs on SM90 only (its fp32 1x128 / 128x128 fp8 scaling)")
+    if experts == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
+        pytest.skip("deep_gemm is not installed (docs/deepgemm.md)")
     shapes = {**fp8_cases.FP8_SHAPES, **fp8_cases.FP8_SHAPES_OF.get(experts, {})}
     spec = CaseSpec(dispatcher="deepep_v2", experts=experts, layout=layout, mode=mode, **shapes)
     results = nccl_pool(world_size).run_ok(fp8_cases.run_fp8_case, spec, timeout_s=CASE_TIMEOUT_S)
