@@ -212,7 +212,10 @@ def test_edge_cases_on_hopper():
     than 128 rows for one expert (two M tiles), then a forward where no slot is served here."""
     x, ids, topk_weights, weights = fp8_inputs("silu", torch.bfloat16, tokens=200, seed=1)
     ids = torch.where(ids == 5, -1, ids)  # expert 5 gets no rows
-    ids[:150, 0] = 2  # expert 2 gets 150+
+    head = ids[:150]  # expert 2 gets 150+ rows: in slot 0, its other slot's id moved there
+    ids[:150] = torch.where(head == 2, head[:, :1].expand_as(head), head)
+    ids[:150, 0] = 2
+    topk_weights = torch.where(ids >= 0, topk_weights.nan_to_num(0.75), float("nan"))
     topk_weights = torch.where(torch.arange(K) == 1, -topk_weights, topk_weights)
     q13, s13, q2, s2 = weights
     config = MoEConfig(E, K, H, I, quantization="fp8_block")

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ep_runtime.experts.base import WorkBuffers, quantized_rows
-from ep_runtime.kernels.block_rows import BlockLayout
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE
 from ep_runtime.types import Dispatched, TopkLayout
+
+if TYPE_CHECKING:  # the kernels import triton: only a backend that runs them loads them
+    from ep_runtime.kernels.block_rows import BlockLayout
 
 
 @dataclass(frozen=True)
