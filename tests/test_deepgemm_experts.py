@@ -31,7 +31,8 @@ from ep_runtime.experts.deepgemm import DeepGemmExperts
 from ep_runtime.kernels import block_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, dequantize_weight_blocks
-from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
+from ep_runtime.types import DispatchMode
+from tests.fp8_backend_checks import ADAPTER_CASES, check_adapter_forward, check_layer_against_twin
 from tests.test_fp8 import E, H, I, K, fp8_inputs, judge
 from tests.test_fp8_triton import on_device
 
@@ -96,39 +97,14 @@ def backend_with_stand_in(monkeypatch, activation: str, weights) -> DeepGemmExpe
     return backend
 
 
-@pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_adapter_logic_with_a_stand_in_for_deep_gemm_standard(monkeypatch, activation):
-    x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=40)
-    backend = backend_with_stand_in(monkeypatch, activation, weights)
-    inputs = on_device(x, ids.int(), topk_weights.float())
-    out = backend.forward(Dispatched(*inputs, TopkLayout.STANDARD, None)).cpu()
-    comparison = judge(out, x, ids, topk_weights, weights, activation, gemm1_output_dtype=ROUNDED)
-    assert comparison.passed, comparison.describe()
-    assert not out[ids.size(0) // 2].any()  # served by nobody: an exact zero row
-
-
-def test_adapter_logic_with_a_stand_in_for_deep_gemm_expanded(monkeypatch):
-    """EXPANDED: each served (token, slot) pair is one grouped row with its own weight; two
-    padding rows of NaN follow (zero results)."""
-    x, ids, topk_weights, weights = fp8_inputs("silu", torch.bfloat16, tokens=24, seed=4)
-    backend = backend_with_stand_in(monkeypatch, "silu", weights)
-    tokens, slots = (ids >= 0).nonzero(as_tuple=True)
-    order = torch.sort(ids[tokens, slots], stable=True).indices
-    tokens, slots = tokens[order], slots[order]
-    expert_of = ids[tokens, slots].long()
-    counts = torch.bincount(expert_of, minlength=E)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
-    rows = torch.cat([x[tokens], torch.full((2, H), float("nan"), dtype=x.dtype)])
-    row_weights = torch.cat([topk_weights[tokens, slots], torch.ones(2)]).float()[:, None]
-    row_ids = torch.cat([expert_of, torch.full((2,), -1)])[:, None]
-    inputs = on_device(rows, row_ids.int(), row_weights)
-    out = backend.forward(Dispatched(*inputs, TopkLayout.EXPANDED, offsets.to(DEVICE))).cpu()
-    comparison = judge(
-        out[:-2], rows[:-2], row_ids[:-2], row_weights[:-2], weights, "silu",
+@pytest.mark.parametrize(("layout", "activation"), ADAPTER_CASES)
+def test_adapter_logic_with_a_stand_in_for_deep_gemm(monkeypatch, layout, activation):
+    check_adapter_forward(
+        lambda act, weights: backend_with_stand_in(monkeypatch, act, weights),
+        layout,
+        activation,
         gemm1_output_dtype=ROUNDED,
-    )  # fmt: skip
-    assert comparison.passed, comparison.describe()
-    assert not out[-2:].any()
+    )
 
 
 def setup_of(cap: int = 4096, mode=DispatchMode.EXACT, dtype=torch.bfloat16) -> ExpertsSetup:
@@ -167,6 +143,49 @@ def test_refusals_name_the_reason(monkeypatch):
         )
 
 
+def test_an_installed_deep_gemm_that_cannot_run_is_refused(monkeypatch):
+    """An installed ``deep_gemm`` that does not import, lacks the m-grouped GEMM, or has no nvcc
+    for its JIT is refused with that reason (so "auto" falls back instead of failing later)."""
+    problem = deepgemm_module._deep_gemm_problem
+    monkeypatch.setattr(deepgemm_module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises
+    problem.cache_clear()
+    assert DeepGemmExperts.unavailable_reason(setup_of()).startswith(
+        "deep_gemm does not import: ModuleNotFoundError"
+    )
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
+    problem.cache_clear()
+    assert "has no m-grouped fp8 GEMM" in DeepGemmExperts.unavailable_reason(setup_of())
+    stand_in = types.ModuleType("deep_gemm")
+    stand_in.m_grouped_fp8_gemm_nt_contiguous = grouped_gemm_stand_in
+    monkeypatch.setitem(sys.modules, "deep_gemm", stand_in)
+    monkeypatch.setattr(deepgemm_module, "_nvcc", lambda: None)
+    problem.cache_clear()
+    assert DeepGemmExperts.unavailable_reason(setup_of()) == (
+        "no nvcc for DeepGEMM's JIT (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+    )
+    monkeypatch.setattr(deepgemm_module, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    problem.cache_clear()
+    assert DeepGemmExperts.unavailable_reason(setup_of()) is None
+    problem.cache_clear()  # the next test sees this machine's own answer
+
+
+def test_nvcc_is_looked_for_where_deep_gemm_looks(monkeypatch, tmp_path):
+    """``CUDA_HOME`` first (its nvcc or none), then ``PATH``."""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert deepgemm_module._nvcc() == str(nvcc)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "elsewhere"))
+    assert deepgemm_module._nvcc() is None
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    assert deepgemm_module._nvcc() == str(nvcc)
+
+
 def deepgemm_layer(activation: str, layout: str, mode: str, tokens: int) -> EPMoE:
     config = MoEConfig(E, K, H, I, activation=activation, quantization="fp8_block")
     return EPMoE(
@@ -180,30 +199,12 @@ def deepgemm_layer(activation: str, layout: str, mode: str, tokens: int) -> EPMo
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layer_matches_the_oracle_and_the_twin_on_hopper(layout, mode, activation):
-    """DeepGEMM for real: the layer against the fp64 oracle and the fp8 twin; experts with row
-    counts far from 128 (48 tokens, 8 experts), a token served by nobody."""
-    x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=48)
-    q13, s13, q2, s2 = weights
-    outputs = {}
-    for experts in ("deepgemm", "reference"):
-        config = MoEConfig(E, K, H, I, activation=activation, quantization="fp8_block")
-        layer = EPMoE(
-            config, max_tokens_per_rank=48, experts=experts, device=DEVICE, layout=layout,
-            mode=mode,
-        )  # fmt: skip
-        try:
-            assert layer.choice.experts == experts
-            layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
-            outputs[experts] = layer(*on_device(x, ids, topk_weights)).cpu()
-        finally:
-            layer.close()
-    out, twin = outputs["deepgemm"], outputs["reference"]
-    comparison = judge(out, x, ids, topk_weights, weights, activation, gemm1_output_dtype=ROUNDED)
-    assert comparison.passed, comparison.describe()
-    assert not out[ids.size(0) // 2].any()
-    served = (ids >= 0).any(dim=1)
-    distance = (out.float() - twin.float()).norm(dim=1)[served] / twin.float().norm(dim=1)[served]
-    assert distance.max() < TWIN_DISTANCE, distance.max()
+    """DeepGEMM for real: the layer against the fp64 oracle of its variant and the fp8 twin;
+    experts with row counts far from 128 (48 tokens, 8 experts), a token served by nobody."""
+    inputs = fp8_inputs(activation, torch.bfloat16, tokens=48)
+    check_layer_against_twin(
+        "deepgemm", inputs, layout, mode, activation, TWIN_DISTANCE, gemm1_output_dtype=ROUNDED
+    )
 
 
 @pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))

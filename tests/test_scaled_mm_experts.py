@@ -32,9 +32,10 @@ from ep_runtime.quantization import (
     dequantize_weight_blocks,
 )
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from ep_runtime.types import Dispatched, DispatchMode, TopkLayout
+from ep_runtime.types import DispatchMode
 from tests import fp8_oracle
-from tests.test_fp8 import fp8_inputs, judge
+from tests.fp8_backend_checks import ADAPTER_CASES, check_adapter_forward, check_layer_against_twin
+from tests.test_fp8 import fp8_inputs
 from tests.test_fp8_triton import on_device
 
 CUDA = torch.cuda.is_available()
@@ -78,36 +79,11 @@ def backend_with_stand_in(monkeypatch, activation: str, weights) -> ScaledMMExpe
     return backend
 
 
-@pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_adapter_logic_with_a_stand_in_for_scaled_mm_standard(monkeypatch, activation):
-    x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=40)
-    backend = backend_with_stand_in(monkeypatch, activation, weights)
-    inputs = on_device(x, ids.int(), topk_weights.float())
-    out = backend.forward(Dispatched(*inputs, TopkLayout.STANDARD, None)).cpu()
-    comparison = judge(out, x, ids, topk_weights, weights, activation)
-    assert comparison.passed, comparison.describe()
-    assert not out[ids.size(0) // 2].any()  # served by nobody: an exact zero row
-
-
-def test_adapter_logic_with_a_stand_in_for_scaled_mm_expanded(monkeypatch):
-    """EXPANDED: each served (token, slot) pair is one grouped row with its own weight; two
-    padding rows of NaN follow (zero results)."""
-    x, ids, topk_weights, weights = fp8_inputs("silu", torch.bfloat16, tokens=24, seed=4)
-    backend = backend_with_stand_in(monkeypatch, "silu", weights)
-    tokens, slots = (ids >= 0).nonzero(as_tuple=True)
-    order = torch.sort(ids[tokens, slots], stable=True).indices
-    tokens, slots = tokens[order], slots[order]
-    expert_of = ids[tokens, slots].long()
-    counts = torch.bincount(expert_of, minlength=E)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
-    rows = torch.cat([x[tokens], torch.full((2, H), float("nan"), dtype=x.dtype)])
-    row_weights = torch.cat([topk_weights[tokens, slots], torch.ones(2)]).float()[:, None]
-    row_ids = torch.cat([expert_of, torch.full((2,), -1)])[:, None]
-    inputs = on_device(rows, row_ids.int(), row_weights)
-    out = backend.forward(Dispatched(*inputs, TopkLayout.EXPANDED, offsets.to(DEVICE))).cpu()
-    comparison = judge(out[:-2], rows[:-2], row_ids[:-2], row_weights[:-2], weights, "silu")
-    assert comparison.passed, comparison.describe()
-    assert not out[-2:].any()
+@pytest.mark.parametrize(("layout", "activation"), ADAPTER_CASES)
+def test_adapter_logic_with_a_stand_in_for_scaled_mm(monkeypatch, layout, activation):
+    check_adapter_forward(
+        lambda act, weights: backend_with_stand_in(monkeypatch, act, weights), layout, activation
+    )
 
 
 def cublas_inputs(activation: str, tokens: int = 48, seed: int = 0):
@@ -121,30 +97,8 @@ def cublas_inputs(activation: str, tokens: int = 48, seed: int = 0):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layer_matches_the_oracle_and_the_twin_on_hopper(layout, mode, activation):
     """cuBLAS for real: the layer against the fp64 oracle and the fp8 twin, expert row counts
-    off ROW_ALIGN (48 tokens, 8 experts)."""
-    x, ids, topk_weights, weights = cublas_inputs(activation)
-    q13, s13, q2, s2 = weights
-    outputs = {}
-    for experts in ("scaled_mm", "reference"):
-        config = MoEConfig(E, K, BIG, BIG, activation=activation, quantization="fp8_block")
-        layer = EPMoE(
-            config, max_tokens_per_rank=48, experts=experts, device=DEVICE, layout=layout,
-            mode=mode,
-        )  # fmt: skip
-        try:
-            assert layer.choice.experts == experts
-            layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
-            outputs[experts] = layer(*on_device(x, ids, topk_weights)).cpu()
-        finally:
-            layer.close()
-    out, twin = outputs["scaled_mm"], outputs["reference"]
-    ref, scale = fp8_oracle.fp8_moe_oracle(x, ids, topk_weights, q13, s13, q2, s2, activation)
-    comparison = compare_per_token(out, ref, tolerance_for(torch.bfloat16, BIG), scale)
-    assert comparison.passed, comparison.describe()
-    assert not out[ids.size(0) // 2].any()
-    served = (ids >= 0).any(dim=1)
-    distance = (out.float() - twin.float()).norm(dim=1)[served] / twin.float().norm(dim=1)[served]
-    assert distance.max() < 0.03, distance.max()
+    off the 16-row alignment (48 tokens, 8 experts)."""
+    check_layer_against_twin("scaled_mm", cublas_inputs(activation), layout, mode, activation, 0.03)
 
 
 def test_refusals_name_the_reason():

@@ -23,7 +23,11 @@ fp64 oracle of that variant; its distance to the contract is in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import shutil
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -42,6 +46,34 @@ from ep_runtime.types import Activation, Dispatched, TopkLayout
 BF16 = torch.bfloat16
 
 
+def _nvcc() -> str | None:
+    """The nvcc DeepGEMM's JIT will run, looked for where it looks: ``$CUDA_HOME``,
+    ``$CUDA_PATH``, ``PATH``, ``/usr/local/cuda``."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home:
+            return str(Path(home, "bin", "nvcc")) if Path(home, "bin", "nvcc").is_file() else None
+    found = shutil.which("nvcc")
+    if found is not None:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+@functools.cache
+def _deep_gemm_problem() -> str | None:
+    """Why an installed ``deep_gemm`` cannot run here (it does not import, or its JIT has no
+    nvcc), checked once per process, so ``"auto"`` falls back instead of failing later."""
+    try:
+        import deep_gemm
+    except Exception as error:  # an ABI mismatch or a missing library: any import failure
+        return f"deep_gemm does not import: {type(error).__name__}: {error}"
+    if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
+        return f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has no m-grouped fp8 GEMM"
+    if _nvcc() is None:
+        return "no nvcc for DeepGEMM's JIT (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+    return None
+
+
 @EXPERTS.register
 class DeepGemmExperts(Experts):
     name = "deepgemm"
@@ -55,7 +87,10 @@ class DeepGemmExperts(Experts):
         quantizations=frozenset({Quantization.FP8_BLOCK}),
         graph_capturable=True,  # the GEMMs read each expert's end row on the device
         gemm1_output_dtype=BF16,  # DeepGEMM writes bf16 only (module docstring)
-        description="DeepGEMM's m-grouped block-scaled fp8 GEMMs (one per layer half), prefill",
+        description=(
+            "DeepGEMM's m-grouped block-scaled fp8 GEMMs (one per layer half; GEMM1's output "
+            "in bf16), prefill"
+        ),
     )
     auto_priority = 17  # above scaled_mm (16): where both may run, one GEMM beats 32 calls
     # decode-sized layers go to the Triton experts (measured there); DeepGEMM's 128-row blocks
@@ -68,7 +103,7 @@ class DeepGemmExperts(Experts):
             return "deep_gemm is not installed (DeepGEMM, built from source: docs/deepgemm.md)"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (the row kernels around the GEMMs)"
-        return None
+        return _deep_gemm_problem()
 
     @classmethod
     def auto_refusal(cls, setup: ExpertsSetup) -> str | None:

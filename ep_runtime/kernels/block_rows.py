@@ -22,9 +22,9 @@ take them. A ``BlockLayout`` says where the scales go:
   with zero scales. Also each block row's pair (STANDARD: ``row·K + slot``; EXPANDED: the
   grouped row; -1 for padding) and each pair's block row (``positions``, -1 where a slot is not
   served here): combine reads it.
-* ``activate_rows``: GEMM1's fp32 output → ``q(act)`` (the contract's per-row, per-128-column
-  quantizer) and its block scales, each multiplied by the pair's router weight, so GEMM2's
-  output rows arrive weighted and combine only adds them.
+* ``activate_rows``: GEMM1's output (fp32 from cuBLAS, bf16 from DeepGEMM) → ``q(act)`` (the
+  contract's per-row, per-128-column quantizer) and its block scales, each multiplied by the
+  pair's router weight, so GEMM2's output rows arrive weighted and combine only adds them.
 
 Deterministic; the Triton kernels read no device value on the host: their grids are bounds
 (``max_block_rows``), and programs past the last block row return at once.
@@ -105,7 +105,9 @@ def to_block_scales(
     return flat
 
 
-def scales_by_row(flat: torch.Tensor, bounds: list[int], groups: int, layout: BlockLayout):
+def scales_by_row(
+    flat: torch.Tensor, bounds: list[int], groups: int, layout: BlockLayout
+) -> torch.Tensor:  # [P', G]
     """The inverse of ``to_block_scales``: ``[P', G]``, one row per block row."""
     rows = bounds[-1]
     if not layout.per_block_scales:
