@@ -5,7 +5,8 @@ DeepGEMM (``deep_gemm``, DeepSeek's fp8 GEMM library, JIT-compiled per shape) ta
 rows as one contiguous matrix in 128-row aligned blocks, with each expert's end row read on the
 device (its "psum" layout), and applies the block scales inside its k loop. So a forward reads
 nothing on the host (it may be captured in a CUDA graph) and issues two GEMMs however many experts
-there are, where ``scaled_mm`` issues one cuBLAS call per expert and half after a host read.
+there are, where ``scaled_mm`` reads the row counts on the host, then issues a cuBLAS call per
+expert and GEMM.
 
 A forward (row kernels in ``kernels/block_rows.py``, layout ``DEEPGEMM``; the order in
 ``experts/block_grouping.py``): ``q(x)`` as dispatched or quantized here; STANDARD's pairs sorted
