@@ -19,26 +19,30 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import json
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ep_runtime import comm_process
+from ep_runtime.comm_notices import DISPATCHER_NOTICE, NoticeBoard
 from ep_runtime.types import GroupUnusableError, RemoteRankError
+
+T = TypeVar("T")
 
 POLL_START_S = 0.05  # a collective pending this long starts looking for trouble
 POLL_EVERY_S = 0.2
 SETTLE_S = 0.25  # a collective gets this long to end by itself once a peer is in trouble
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
-DISPATCHER_NOTICE = "dispatcher"
+VOTE_TIMEOUT_S = 600.0  # a vote whose voters are all alive but silent this long fails
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,19 @@ class Comm(abc.ABC):
         when given; a world of one returns ``send`` itself)."""
 
     @abc.abstractmethod
-    def all_gather_object(self, obj: object) -> list[object]: ...
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+
+    @abc.abstractmethod
+    def vote(self, ballot: str, verdict: str | None) -> list[str | None]:
+        """Every rank's ``verdict`` on ``ballot`` (``None``: it can go ahead; else why not), the
+        same list on every rank that returns. ``ballot`` names one decision, the same on every
+        rank and never reused. A rank that dies without voting is counted as a failure (its
+        verdict says so) on every survivor; one that dies after voting, with its vote."""
 
     @abc.abstractmethod
     def barrier(self) -> None: ...
@@ -182,8 +198,15 @@ class SingleRankComm(Comm):
         self.check_usable()
         return send
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: T) -> list[T]:
         return [obj]
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.check_usable()
+
+    def vote(self, ballot: str, verdict: str | None) -> list[str | None]:
+        self.check_usable()
+        return [verdict]
 
     def barrier(self) -> None:
         return None
@@ -201,15 +224,6 @@ class SingleRankComm(Comm):
         return None
 
 
-@dataclass(frozen=True)
-class _Watch:
-    """A watched comm's notice namespace and the peers on this host."""
-
-    namespace: str
-    store: dist.Store | None  # None: torch did not say which store the group uses
-    local_peers: tuple[tuple[int, int], ...]  # (rank, pid)
-
-
 class GroupComm(Comm):
     """Two or more ranks over a torch.distributed group."""
 
@@ -219,7 +233,7 @@ class GroupComm(Comm):
         rank: int,
         world_size: int,
         device: torch.device,
-        watch: _Watch | None = None,
+        watch: NoticeBoard | None = None,
     ) -> None:
         super().__init__(group, rank, world_size, device)
         self._watch = watch
@@ -241,11 +255,55 @@ class GroupComm(Comm):
         self._wait(work, "all_to_all")
         return recv
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Watched, as two all-to-alls (the sizes, then the pickled objects), where the comm
+        watches its peers; torch's ``all_gather_object`` (it blocks) where it does not."""
         self.check_usable()
-        gathered: list[object] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
+        if self._watch is None:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, obj, group=self.group)
+            return gathered
+        world, device = self.world_size, self.device
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.full((world, 1), payload.numel(), dtype=torch.int64, device=device)
+        sizes = [row[0] for row in self.to_host(self.all_to_all(size))]
+        send = torch.zeros(world, max(sizes), dtype=torch.uint8, device=device)
+        send[:, : payload.numel()] = payload.to(device)
+        received = self.all_to_all(send).cpu()
+        return [pickle.loads(received[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.check_usable()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._wait(work, "all_reduce")
+
+    def vote(self, ballot: str, verdict: str | None) -> list[str | None]:
+        """Through the group's store where there is one: each vote is a key written once, so a
+        death in the middle cannot split the survivors (each reads the same keys; a rank whose
+        key is missing when it is known to be gone never writes it). Else a watched all-gather."""
+        self.check_usable()
+        board = self._watch
+        if board is None or board.store is None:
+            return self.all_gather_object(verdict)
+        board.cast_vote(ballot, self.rank, verdict)
+        deadline = time.monotonic() + VOTE_TIMEOUT_S
+        while (votes := board.votes(ballot, self.world_size)) is None:
+            for rank, reason in self._troubles():
+                if rank < 0:
+                    self.mark_unusable(reason)
+                    raise GroupUnusableError(f"vote on {ballot}: {reason}")
+                if not board.has_voted(ballot, rank):  # gone before voting: it never will
+                    self.post(DISPATCHER_NOTICE, reason, about=rank)
+                    self.mark_unusable(f"rank {rank} {reason}")
+                    self._abort_group()
+                    return board.votes_so_far(ballot, self.world_size, rank, reason)
+            if time.monotonic() > deadline:
+                self.mark_unusable(f"the vote on {ballot} timed out")
+                raise GroupUnusableError(
+                    f"vote on {ballot}: a rank did not vote within {VOTE_TIMEOUT_S:.0f} s"
+                )
+            time.sleep(POLL_EVERY_S / 4)
+        return votes
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -313,23 +371,15 @@ class GroupComm(Comm):
             self.rank,
             self.world_size,
             self.device,
-            _Watch(namespace, store, local_peers),
+            NoticeBoard(namespace, store, local_peers),
         )
         if store is not None:
             comm_process.notify_peers_at_exit(comm, gloo="gloo" in self.backend)
         return comm
 
     def post(self, topic: str, text: str, about: int | None = None, after_forward: int = 0) -> None:
-        if self._watch is None or self._watch.store is None:
-            return
-        try:
-            rank = self.rank if about is None else about
-            fields = {"text": text, "time": time.time(), "rank": rank, "after": after_forward}
-            notice = json.dumps(fields)
-            self._watch.store.set(self._key(self.rank, topic), notice)
-            self._watch.store.add(f"{self._watch.namespace}/count", 1)
-        except Exception:  # a notice must never raise on the failure path
-            return
+        if self._watch is not None:
+            self._watch.post(self.rank, topic, text, about, after_forward)
 
     def leave_in_failure(self, reason: str) -> None:
         self.post(DISPATCHER_NOTICE, reason)
@@ -338,55 +388,39 @@ class GroupComm(Comm):
     def close(self) -> None:
         comm_process.stop_notifying(self)
 
-    def _key(self, rank: int, topic: str) -> str:
-        assert self._watch is not None
-        return f"{self._watch.namespace}/{rank}/{topic}"
-
     def _notices(self) -> list[tuple[int, str]]:
         """(rank, text) of the notices that concern the forward in flight, earliest first (a
         peer that failed because of another posts a notice too: the first one is the cause)."""
         if self._watch is None or self._watch.store is None:
             return []
-        store = self._watch.store
-        count = int(store.add(f"{self._watch.namespace}/count", 0))
+        count = self._watch.count()
         if (count, self.in_flight) == self._nothing_new_since:
             return []
-        topics = [DISPATCHER_NOTICE]
-        forward = 0
-        if self.in_flight is not None:
-            topics.append(f"layer{self.in_flight.layer}")
-            forward = self.in_flight.forward
-        found = []
-        for rank in range(self.world_size):
-            if rank == self.rank:
-                continue
-            for topic in topics:
-                key = self._key(rank, topic)
-                if store.check([key]):
-                    notice = json.loads(store.get(key))
-                    if topic == DISPATCHER_NOTICE or forward > notice["after"]:
-                        found.append((notice["time"], notice["rank"], notice["text"]))
+        found = self._watch.read(self.rank, self.world_size, self.in_flight)
         if not found:
             self._nothing_new_since = (count, self.in_flight)
-        return [(rank, text) for _, rank, text in sorted(found)]
+        return found
 
-    def _trouble(self) -> tuple[int, str] | None:
-        """A peer's notice (it says why), else a peer on this host whose process is gone, else
-        an unreachable store (its host may be the one that died)."""
+    def _troubles(self) -> list[tuple[int, str]]:
+        """Peers' notices (they say why), earliest first, then peers on this host whose process
+        is gone, then an unreachable store (rank -1: its host may be the one that died)."""
         store_error = None
         try:
-            notices = self._notices()
+            found = self._notices()
         except Exception as error:  # the store's host may be the dead one
-            notices, store_error = [], error
-        if notices:
-            return notices[0]
+            found, store_error = [], error
         for rank, pid in self._watch.local_peers if self._watch is not None else ():
             if comm_process.process_is_gone(pid):
-                return rank, f"is gone: its process (pid {pid} on this host) ended"
+                found.append((rank, f"is gone: its process (pid {pid} on this host) ended"))
         if store_error is not None:
             kind = type(store_error).__name__
-            return -1, f"the group's store is unreachable ({kind}: {store_error})"
-        return None
+            found.append((-1, f"the group's store is unreachable ({kind}: {store_error})"))
+        return found
+
+    def _trouble(self) -> tuple[int, str] | None:
+        """The first of ``_troubles()``, or None."""
+        troubles = self._troubles()
+        return troubles[0] if troubles else None
 
     def _raise_on_trouble(
         self, what: str, cause: BaseException | None = None, settle: dist.Work | None = None

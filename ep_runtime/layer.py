@@ -16,9 +16,10 @@ from ep_runtime.agreement import agree_on_build
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
-from ep_runtime.dispatch.protocol import LayerIdentity
+from ep_runtime.dispatch.protocol import LayerIdentity, fingerprint_of
 from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport, WeightSet
-from ep_runtime.experts.base import check_expert_weights
+from ep_runtime.eplb.transaction import ChangeHooks
+from ep_runtime.experts.base import Experts, check_expert_weights
 from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY, ForwardGraphs, GraphPolicy
 from ep_runtime.layer_spec import LayerSpec, checked_device
 from ep_runtime.placement import ExpertPlacement
@@ -131,12 +132,13 @@ class EPMoE(torch.nn.Module):
             chosen = error
         peer_setup = agree_on_build(self.comm, self.spec, chosen)
         assert not isinstance(chosen, BackendUnavailableError)
-        self.eplb.bind_hosts([identity.host for identity in peer_setup.identities])
         dispatcher_cls, experts_cls, self.choice = chosen
         self.layout = self.choice.layout
-        self.experts = experts_cls(experts_setup)
+        self._new_experts = lambda: experts_cls(experts_setup)
+        self.experts = self._new_experts()
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
-        self.identity = LayerIdentity(self.spec.fingerprint(), self.dispatcher.register_layer())
+        self.eplb.bind(self.dispatcher.comm, [identity.host for identity in peer_setup.identities])
+        self.identity = LayerIdentity(self._fingerprint(), self.dispatcher.register_layer())
         world = self.comm.world_size
         self.rounds = RoundBounds.of(  # exact mode's bounds on the tokens of one round
             self.spec.max_tokens_per_rank,
@@ -168,7 +170,16 @@ class EPMoE(torch.nn.Module):
         )
         if policy is None or self.device.type != "cuda" or checks.peers or not checks.on_device:
             return None
-        return ForwardGraphs(policy, self.experts.release_workspace) if capturable else None
+        return ForwardGraphs(policy, self._release_workspace) if capturable else None
+
+    def _release_workspace(self) -> None:
+        self.experts.release_workspace()  # the backend serving now (a rebalance replaces it)
+
+    def _fingerprint(self) -> int:
+        """What every forward header carries: the agreed settings and the placement, so a rank
+        whose placement differs from its peers' is named at the next forward."""
+        placement = self.eplb.placement.fingerprint()
+        return fingerprint_of({"settings": self.spec.fingerprint(), "placement": placement})
 
     @property
     def mode(self) -> DispatchMode:
@@ -220,7 +231,8 @@ class EPMoE(torch.nn.Module):
             cast = {"device": self.device, "dtype": self.dtype}
             slot13 = slot13.detach().to(**cast).contiguous()
             slot2 = slot2.detach().to(**cast).contiguous()
-            self._load_slot_weights(slot13, slot2)
+            self._drop_graphs()
+            self.experts.load_weights(slot13, slot2)
             self.eplb.keep_weights(slot13, slot2, given=(w13, w2))
         else:
             scales = (w13_scale_inv, w2_scale_inv)
@@ -231,11 +243,6 @@ class EPMoE(torch.nn.Module):
             self._drop_graphs()
             self.experts.load_quantized_weights(shard.to(self.device))
         self._weights_loaded = True
-
-    def _load_slot_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Hand the experts new slot weights (at load and at every rebalance)."""
-        self._drop_graphs()
-        self.experts.load_weights(w13, w2)
 
     def _drop_graphs(self) -> None:
         if self.graphs is not None:  # they read the old weights
@@ -253,7 +260,31 @@ class EPMoE(torch.nn.Module):
             raise EPInputError(
                 "rebalance", "a layer with unquantized weights", self.config.quantization.value
             )
-        return self.eplb.rebalance(load, self._load_slot_weights)
+        return self.eplb.rebalance(load, self._change_hooks())
+
+    def _change_hooks(self) -> ChangeHooks:
+        """What a placement change (eplb/transaction.py) needs of this layer."""
+        return ChangeHooks(
+            comm=self.dispatcher.comm,
+            in_place=type(self.experts).capabilities.serves_given_weights,
+            open=lambda: self.dispatcher.open_placement_change(self.identity),
+            reload=self._staged_experts,
+            commit=self._serve_placement,
+        )
+
+    def _staged_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Experts:
+        """A new experts backend holding ``w13``/``w2``; the old one serves until the commit."""
+        experts = self._new_experts()
+        experts.load_weights(w13, w2)
+        return experts
+
+    def _serve_placement(self, experts: Experts | None, placement: PlacementMap) -> None:
+        """A placement change's commit: the new backend (None: this rank's slots kept their
+        experts) and the headers' fingerprint of the new placement."""
+        if experts is not None:
+            self._drop_graphs()
+            self.experts = experts
+        self.identity = LayerIdentity(self._fingerprint(), self.identity.index)
 
     @torch.no_grad()
     def forward(
@@ -276,7 +307,7 @@ class EPMoE(torch.nn.Module):
             out.fill_(float("nan"))
         if self._capacity:
             self._forward_one_round(x, topk_ids, topk_weights, out)
-            self.eplb.forward_done(self._load_slot_weights)
+            self.eplb.forward_done(self._change_hooks)
             return out
         num_tokens = x.size(0)
         per_round = self.rounds.tokens_per_round(num_tokens)
@@ -293,7 +324,7 @@ class EPMoE(torch.nn.Module):
                 x[rows], topk_ids[rows], topk_weights[rows], out[rows], num_local_rounds, None
             )
             round_index += 1
-        self.eplb.forward_done(self._load_slot_weights)
+        self.eplb.forward_done(self._change_hooks)
         return out
 
     def _forward_one_round(

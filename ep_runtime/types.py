@@ -133,7 +133,8 @@ class ForwardMismatchError(RuntimeError):
         ranks = "; ".join(f"rank {rank} {what}" for rank, what in sorted(differing.items()))
         super().__init__(
             f"forwards do not match across ranks: {ranks}, while {here}. A rank skipped or "
-            "repeated a forward, or the ranks call layers in different orders"
+            "repeated a forward (or a placement change), the ranks call layers in different "
+            "orders, or their placements differ"
         )
 
     def __reduce__(self) -> tuple:

@@ -190,14 +190,19 @@ def test_device_map_picks_a_replica_of_the_right_expert() -> None:
     assert device_map.take_load(reset=True).sum() == 28 and device_map.take_load(True).sum() == 0
 
 
-def test_device_map_update_keeps_storage() -> None:
+def test_device_map_install_keeps_storage() -> None:
     old = PlacementMap.initial(8, 4, 4)
     device_map = DeviceMap(old, CPU)
     table, counts = device_map.table.data_ptr(), device_map.counts.data_ptr()
     new = rebalanced_placement(torch.arange(8) ** 2, old)
-    device_map.update(new)
+    staged = device_map.tables(new)
+    assert torch.equal(device_map.table, old.logical_to_physical(5))  # staging changes nothing
+    device_map.load += 3
+    device_map.install(new, *staged)
     assert (device_map.table.data_ptr(), device_map.counts.data_ptr()) == (table, counts)
     assert torch.equal(device_map.table, new.logical_to_physical(5))
+    assert torch.equal(device_map.counts, new.replica_counts)
+    assert int(device_map.load.sum()) == 0  # a new placement starts a new window
 
 
 def test_zipf_routing_is_seeded_and_distinct() -> None:

@@ -37,11 +37,11 @@ from ep_runtime.dispatch.protocol import (
 )
 from ep_runtime.dispatch.setup import DispatcherCapabilities, DispatchSetup, PeerSetup
 from ep_runtime.kernels import Route, resolve_ops
-from ep_runtime.kernels.wire import HEADER_INTS, HeaderFields
+from ep_runtime.kernels.wire import HEADER_INTS, Control, HeaderFields
 from ep_runtime.registry import Registry
 from ep_runtime.types import ClosedError, Dispatched, TopkLayout
 
-FINAL_METHODS = ("dispatch", "combine")
+FINAL_METHODS = ("dispatch", "combine", "open_placement_change")
 PackedT = TypeVar("PackedT")  # a transport's packed dispatch, before the header exchange
 HandleT = TypeVar("HandleT")  # what its combine needs of a dispatch
 ReturnedT = TypeVar("ReturnedT")  # what its combine received, for the reduction
@@ -85,9 +85,12 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
         self.placement = setup.placement
         self.ops = resolve_ops(setup.device)
         self.protocol = ForwardProtocol(self.comm, self.ops, setup.device, setup.checks)
-        self._containments = {p: PhaseContainment(self.comm, p) for p in ("dispatch", "combine")}
+        self._containments = {
+            p: PhaseContainment(self.comm, p) for p in ("dispatch", "combine", "placement change")
+        }
         self._num_layers = 0
         self._forwards_begun: dict[int, int] = {}  # by layer index
+        self._placement_changes: dict[int, tuple[int, int]] = {}  # layer: (forward, changes)
         self._closed = False
 
     # ----------------------------------------------------------------- selection
@@ -197,6 +200,32 @@ class Dispatcher(abc.ABC, Generic[PackedT, HandleT, ReturnedT]):
             raise error
         assert result is not None
         return result
+
+    @final
+    def open_placement_change(self, layer: LayerIdentity) -> str:
+        """The first step of a placement change of ``layer`` (eplb/transaction.py): one header
+        exchange shaped as a forward's, so a peer that is elsewhere (in a forward, in another
+        layer's change, at another change of this one) is named on every rank by a
+        ``ForwardMismatchError`` instead of being paired with. Returns the change's name, the
+        same on every rank and never reused (the forward number and the changes since it);
+        later notices about the layer concern the change as they would its next forward."""
+        self._check_open()
+        self.comm.check_usable()
+        seq = int(self.protocol.control[Control.SEQ])
+        last_seq, count = self._placement_changes.get(layer.index, (seq, 0))
+        number = count + 1 if last_seq == seq else 1
+        self._placement_changes[layer.index] = (seq, number)
+        if self.protocol.checks.peers:
+            self.comm.in_flight = InFlight(
+                layer.index, self._forwards_begun.get(layer.index, 0) + 1
+            )
+            with self._containments["placement change"]:
+                header_pair = self.protocol.placement_header(layer, number)
+                self.comm.all_to_all(header_pair[0], recv=header_pair[1])
+                mismatch = self.protocol.check_placement(header_pair)
+            if mismatch is not None:
+                raise mismatch
+        return f"layer{layer.index}/forward{seq}/change{number}"
 
     def _route(
         self, topk_ids: torch.Tensor, fields: HeaderFields, slot_load: torch.Tensor | None

@@ -59,6 +59,7 @@ class ForwardStatus(enum.IntEnum):
 class Phase(enum.IntEnum):
     DISPATCH = 1
     COMBINE = 2
+    PLACEMENT = 3  # the first step of a placement change (eplb/transaction.py)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,27 @@ class ForwardProtocol:
             self._combine_headers[key] = header
         return header
 
+    def placement_header(self, layer: LayerIdentity, number: int) -> torch.Tensor:
+        """``[2, W, HEADER_INTS]`` int32: row 0 the header of this rank's placement change
+        ``number`` of ``layer`` (shaped as a dispatch header, so a peer in a forward meets it
+        as a mismatch), row 1 where the peers' land. Its status is always OK: a failure before
+        the change is agreed in a later step, once every rank is known to be in the same one."""
+        values = [0] * HEADER_INTS
+        values[Field.SEQ] = int(self.control[Control.SEQ])
+        values[Field.FINGERPRINT] = layer.fingerprint
+        values[Field.LAYER] = layer.index
+        values[Field.PHASE] = int(Phase.PLACEMENT)
+        values[Field.NUM_CHUNKS] = number
+        world = self.comm.world_size
+        header = torch.tensor(values, dtype=torch.int32, device=self.control.device)
+        return torch.stack([header.expand(world, -1), torch.empty_like(header.expand(world, -1))])
+
+    def check_placement(self, header_pair: torch.Tensor) -> ForwardMismatchError | None:
+        """Every rank's verdict on the placement headers: a mismatch (a peer in a forward, in
+        another layer's change, at another change of this layer), or None."""
+        _, headers = self.comm.to_host(header_pair)
+        return self._mismatch(headers, Phase.PLACEMENT)
+
     # ----------------------------------------------------------------- checks
     def check_dispatch(
         self,
@@ -262,22 +284,25 @@ class ForwardProtocol:
         differing = {}
         for rank, row in enumerate(headers):
             if row[Field.PHASE] != int(phase):
-                differing[rank] = f"is in {Phase(row[Field.PHASE]).name.lower()}"
-            elif row[Field.SEQ] != own[Field.SEQ] and phase is Phase.DISPATCH:
+                differing[rank] = f"is in {_phase_name(row[Field.PHASE])}"
+            elif row[Field.SEQ] != own[Field.SEQ] and phase is not Phase.COMBINE:
                 differing[rank] = f"is at forward #{row[Field.SEQ]}"
+            elif phase is Phase.PLACEMENT and row[Field.NUM_CHUNKS] != own[Field.NUM_CHUNKS]:
+                differing[rank] = f"is at placement change #{row[Field.NUM_CHUNKS]}"
             elif (row[Field.FINGERPRINT], row[Field.LAYER]) != (
                 own[Field.FINGERPRINT],
                 own[Field.LAYER],
             ):
                 differing[rank] = (
-                    f"runs layer {row[Field.LAYER]} (settings {row[Field.FINGERPRINT]:#x})"
+                    f"runs layer {row[Field.LAYER]} "
+                    f"(settings and placement {row[Field.FINGERPRINT]:#x})"
                 )
         if not differing:
             return None
         self.control[Control.SEQ] = max(row[Field.SEQ] for row in headers) + 1
         here = (
-            f"rank {self.rank} is in {phase.name.lower()} of forward #{own[Field.SEQ]} "
-            f"of layer {own[Field.LAYER]} (settings {own[Field.FINGERPRINT]:#x})"
+            f"rank {self.rank} is in {_phase_name(int(phase))} of forward #{own[Field.SEQ]} "
+            f"of layer {own[Field.LAYER]} (settings and placement {own[Field.FINGERPRINT]:#x})"
         )
         return ForwardMismatchError(differing, here)
 
@@ -309,6 +334,15 @@ class Recorded:
         if self.status:
             reason = f"{self.status.name} in forward #{self.seq} (recorded on the device)"
             raise RemoteRankError(self.rank, reason)
+
+
+def _phase_name(value: int) -> str:
+    names = {
+        Phase.DISPATCH: "dispatch",
+        Phase.COMBINE: "combine",
+        Phase.PLACEMENT: "a placement change",
+    }
+    return names.get(value, f"phase {value}")  # type: ignore[call-overload]
 
 
 def invalid_ids_error(topk_ids: torch.Tensor, num_experts: int) -> BaseException:

@@ -27,11 +27,18 @@ class DeviceMap:
         self.load = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
         self.identity = placement.is_identity
 
-    def update(self, placement: PlacementMap) -> None:
-        """Switch to ``placement`` in place (same storage, so captured graphs follow)."""
-        self.table.copy_(placement.logical_to_physical(self.table.size(1)))
-        self.counts.copy_(placement.replica_counts)
+    def tables(self, placement: PlacementMap) -> tuple[torch.Tensor, torch.Tensor]:
+        """``placement``'s ``table`` and ``counts``, on the device, for ``install``."""
+        table = placement.logical_to_physical(self.table.size(1)).to(self.table.device)
+        return table, placement.replica_counts.to(self.counts.device)
+
+    def install(self, placement: PlacementMap, table: torch.Tensor, counts: torch.Tensor) -> None:
+        """Switch to ``placement`` (its ``tables``) in place (same storage, so captured graphs
+        follow), and clear the load counts."""
+        self.table.copy_(table)
+        self.counts.copy_(counts)
         self.identity = placement.is_identity
+        self.load.zero_()
 
     def to_physical(self, topk_ids: torch.Tensor, seed: int) -> torch.Tensor:
         """``[T, K]`` logical ids → ``[T, K]`` int32 physical slots (the ids themselves while

@@ -1,14 +1,13 @@
 """Which weights a new placement moves, and moving them: every slot whose logical expert
 changes receives it, from a slot on the same rank when one holds it (a local copy), else from
-a rank that holds it (the least-loaded sender first). One all-to-all carries every remote slot;
-nothing moves for slots that keep their expert."""
+a rank that holds it (the least-loaded sender first). One all-to-all carries every remote slot
+(eplb/transaction.py runs it); nothing moves for slots that keep their expert."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ep_runtime.eplb.placement_map import PlacementMap
 
@@ -48,6 +47,14 @@ class MovePlan:
             if m.source_rank == source and self.destination_rank(m) == destination
         ]
 
+    def row_counts(self, rank: int) -> tuple[list[int], list[int]]:
+        """``rank``'s ``[W]`` rows sent to and received from each rank in the all-to-all of
+        the remote moves (from the plan alone: no size exchange)."""
+        world = self.old.world_size
+        out_counts = [len(self.sent(rank, d)) if d != rank else 0 for d in range(world)]
+        in_counts = [len(self.sent(s, rank)) if s != rank else 0 for s in range(world)]
+        return out_counts, in_counts
+
     def arriving(self, rank: int) -> list[Move]:
         """Every move into ``rank``'s slots: local copies and remote ones, in slot order."""
         return [m for m in self.moves if self.destination_rank(m) == rank]
@@ -78,30 +85,6 @@ def flat_rows(w13: torch.Tensor, w2: torch.Tensor, local_slots: list[int]) -> to
     )
 
 
-def exchange(
-    plan: MovePlan,
-    rank: int,
-    group: dist.ProcessGroup | None,
-    send: torch.Tensor,  # [n_out, F]: this rank's outgoing rows, by destination rank then slot
-    row_width: int,
-) -> torch.Tensor:
-    """One all-to-all of the remote moves: ``[n_in, F]`` received rows, by source rank then
-    slot. Every rank calls it with sizes from the plan alone (no size exchange)."""
-    world = plan.old.world_size
-    out_counts = [len(plan.sent(rank, d)) if d != rank else 0 for d in range(world)]
-    in_counts = [len(plan.sent(s, rank)) if s != rank else 0 for s in range(world)]
-    received = send.new_empty(sum(in_counts), row_width)
-    if group is not None and plan.remote:
-        dist.all_to_all_single(
-            received,
-            send,
-            output_split_sizes=in_counts,
-            input_split_sizes=out_counts,
-            group=group,
-        )
-    return received
-
-
 def outgoing_slots(plan: MovePlan, rank: int) -> list[int]:
     """This rank's local slot index of each outgoing row, in ``exchange``'s send order."""
     base = plan.old.slots_of_rank(rank).start
@@ -113,12 +96,12 @@ def outgoing_slots(plan: MovePlan, rank: int) -> list[int]:
     ]
 
 
-def staged_weights(
+def arrivals(
     plan: MovePlan,
     rank: int,
     w13: torch.Tensor,  # [S, rows, H] this rank's slot weights before the move
     w2: torch.Tensor,  # [S, H, I]
-    received: torch.Tensor,  # [n_in, F] from ``exchange``
+    received: torch.Tensor,  # [n_in, F]: the remote moves' rows, by source rank then slot
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """The local slot index of each arriving move and its new ``w13``/``w2`` (copies: the old
     weights are left as they are until every rank has staged its moves)."""

@@ -35,6 +35,9 @@ class ExpertsCapabilities:
     # fp8 layers: the dtype GEMM1's fp32 sums are stored in before the activation (None: they
     # stay fp32, as the contract says; a backend that rounds them declares it, and is tested so)
     gemm1_output_dtype: torch.dtype | None = None
+    # unquantized weights: it computes with the very tensors load_weights gets (no conversion,
+    # no copy), so a placement change writes moved experts into them in place (eplb/transaction)
+    serves_given_weights: bool = False
     description: str = ""
 
 

@@ -34,6 +34,7 @@ class GroupedMMExperts(Experts):
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.EXPANDED,
         graph_capturable=True,
+        serves_given_weights=True,
         description="torch._grouped_mm, no compile step",
     )
     auto_priority = 10

@@ -54,6 +54,7 @@ class ReferenceExperts(Experts):
         layouts=frozenset(TopkLayout),
         preferred_layout=TopkLayout.STANDARD,
         quantizations=frozenset({None, Quantization.FP8_BLOCK}),
+        serves_given_weights=True,
         description="torch loop over local experts, fp32 (fp8 block scales: dequantized)",
     )
     auto_priority = 0

@@ -62,6 +62,7 @@ class TritonExperts(Experts):
         preferred_layout=TopkLayout.STANDARD,
         quantizations=frozenset({None, Quantization.FP8_BLOCK}),
         graph_capturable=True,
+        serves_given_weights=True,
         description="Triton grouped GEMMs: rows gathered in GEMM1, router weight in GEMM2 "
         "(fp8 block scales: applied per 128-deep k-step)",
     )
