@@ -5,9 +5,10 @@ and agreed by every rank in ``agreement.py``; this module runs the forward."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -33,42 +34,68 @@ from ep_runtime.types import (
     EPInputError,
     TopkLayout,
 )
-from ep_runtime.validation import check_forward_inputs
+from ep_runtime.validation import check_forward_inputs, grad_warning
 
-T = TypeVar("T")
-PhaseTimer = Callable[[str, Callable[[], T]], T]  # (phase name, the phase's work) -> its result
+PhaseTimer = Callable[[str], AbstractContextManager[object]]  # a phase's name -> its timer
 PHASES = ("dispatch", "experts", "combine")
+_UNTIMED = contextlib.nullcontext()  # reusable: an untimed forward makes no object per phase
 
 
-def _run_now(phase: str, work: Callable[[], T]) -> T:
+def _untimed(phase: str) -> AbstractContextManager[object]:
     """The ``PhaseTimer`` of an untimed forward."""
-    return work()
+    return _UNTIMED
 
 
 class EPMoE(torch.nn.Module):
     """An expert-parallel MoE layer: route-free (ids and weights come in), forward only.
 
-    ``group=None`` uses the default process group if initialised, else a world of 1. Rank r owns
-    experts ``[r·L, (r+1)·L)``.
+    Parameters
+    ----------
+    config : MoEConfig
+        Experts ``E``, the largest top-k ``K``, hidden ``H``, intermediate ``I``, activation,
+        compute dtype (``None``: bf16 on CUDA, fp32 on CPU), quantization.
+    group : torch.distributed.ProcessGroup, optional
+        The EP group. ``None``: the default group if initialised, else a world of 1. Without
+        redundancy rank r owns experts ``[r·L, (r+1)·L)``, ``L = E / W``.
+    dispatcher, experts : str
+        Backend names from the registries, or ``"auto"`` (``layer.choice.describe()`` says what
+        was picked and why the others were refused).
+    layout : TopkLayout or str
+        ``"standard"`` (one row per (token, rank), ``[R, K]`` ids), ``"expanded"`` (one row per
+        (token, local expert), ``[R, 1]`` ids) or ``"auto"``.
+    mode : DispatchMode or str
+        ``"exact"``: buffers sized to each forward (one host sync). ``"capacity"``: static
+        shapes up to ``max_tokens_per_rank``, no host sync, CUDA-graph capturable.
+    max_tokens_per_rank : int, optional
+        Exact mode: a bound on the tokens of one round (``None``: none; the dispatcher's fixed
+        buffers or, on CUDA, free memory may split a forward into rounds, agreed every forward;
+        ep_runtime/rounds.py). Capacity mode: the static cap every forward's T must fit
+        (default 256). The same on every rank (agreed at build).
+    device : torch.device or str, optional
+        Where the layer computes (``None``: the group's device).
+    poison : bool
+        Fill outputs with NaN before computing (tests: a row never written shows).
+    num_redundant_experts : int
+        ``R`` extra expert slots for load balancing (``E + R`` a multiple of ``W``;
+        docs/eplb.md).
+    eplb_interval : int, optional
+        Rebalance automatically every this many forwards.
+    device_checks : bool
+        Exact mode at world size 1 on CUDA: check ids on the device (a bad one is dropped to -1
+        and counted; ``check()`` raises) instead of one host read per forward. For ids that cannot
+        be out of range (``route()``'s, an HF router's top-k); with peers it changes nothing.
+    forward_graphs : GraphPolicy, optional
+        Where a forward reads nothing on the host (CUDA, world size 1, capacity mode or
+        ``device_checks``, capturable backends), eager forwards of a token count met before
+        replay a CUDA graph of the forward (forward_graphs.py); ``None`` runs every forward eager.
 
-    ``max_tokens_per_rank``: in exact mode (the default) buffers are sized to each forward,
-    which runs as one round unless a bound splits it into rounds of at most ``b`` tokens: this
-    argument (``None``, the default: none), the dispatcher's own (fixed-size buffers) or, on
-    CUDA, what fits in free device memory (ep_runtime/rounds.py); ranks agree on the rounds in
-    every forward. In capacity mode it is the static cap (default 256): T must fit it, buffers
-    never change size, nothing syncs with the host and the forward can be a CUDA graph.
-
-    ``device_checks=True``: in exact mode at world size 1 on CUDA, ids are checked on the device
-    (a bad one is dropped to -1 and counted, and ``check()`` raises, as in capacity mode) instead of
-    one host read at the end of every forward, so eager forwards do not wait for the GPU. For
-    callers whose ids cannot be out of range (``route()``'s, an HF router's top-k); the
-    transformers blocks set it.
-    With peers, exact mode reads the headers on the host anyway and it changes nothing.
-
-    ``forward_graphs``: where a forward reads nothing on the host (CUDA, world size 1, capacity
-    mode or ``device_checks``, backends that declare it capturable), eager forwards of a token
-    count met before replay a CUDA graph of the forward (forward_graphs.py; ``GraphPolicy``
-    bounds the tokens and graphs); ``None`` runs every forward eager.
+    Raises
+    ------
+    EPInputError
+        A bad argument, naming it with the expected and given value; ranks that disagree on a
+        setting all raise, naming it and each rank's value.
+    BackendUnavailableError
+        No backend can serve the setup (each refusal says why).
     """
 
     def __init__(
@@ -106,17 +133,10 @@ class EPMoE(torch.nn.Module):
             eplb_interval=eplb_interval,
             device_checks=device_checks,
         )
-        if config.quantization is not None and (num_redundant_experts or eplb_interval):
-            raise EPInputError(
-                "num_redundant_experts",
-                "0 and no eplb_interval with quantization='fp8_block' (rebalancing moves "
-                "unquantized weights only, for now)",
-                f"{num_redundant_experts} (eplb_interval={eplb_interval})",
-            )
         self.eplb = ExpertBalancer(
             self.comm, config.num_experts, num_redundant_experts, eplb_interval
         )
-        self.phase_timer: PhaseTimer | None = None  # the launcher times phases through this
+        self.phase_timer: PhaseTimer | None = None  # the launcher times each phase in a `with`
         dispatch_setup = self.spec.dispatch_setup(self.comm)  # backends see physical slots
         slot_placement = ExpertPlacement(self.spec.num_slots, self.comm.rank, self.comm.world_size)
         experts_setup = self.spec.experts_setup(slot_placement, self.comm.device)
@@ -139,18 +159,10 @@ class EPMoE(torch.nn.Module):
         self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
         self.eplb.bind(self.dispatcher.comm, [identity.host for identity in peer_setup.identities])
         self.identity = LayerIdentity(self._fingerprint(), self.dispatcher.register_layer())
-        world = self.comm.world_size
         self.rounds = RoundBounds.of(  # exact mode's bounds on the tokens of one round
             self.spec.max_tokens_per_rank,
             self.dispatcher.max_round_tokens,
-            bytes_per_token(
-                config.hidden_size,
-                config.intermediate_size,
-                config.w13_rows,
-                config.top_k,
-                world,
-                self.dtype,
-            ),
+            bytes_per_token(self.spec.config, self.comm.world_size),
             self.comm.device,
         )
         self._closed = False
@@ -170,10 +182,10 @@ class EPMoE(torch.nn.Module):
         )
         if policy is None or self.device.type != "cuda" or checks.peers or not checks.on_device:
             return None
-        return ForwardGraphs(policy, self._release_workspace) if capturable else None
-
-    def _release_workspace(self) -> None:
-        self.experts.release_workspace()  # the backend serving now (a rebalance replaces it)
+        # the backend serving at the time (a rebalance may replace it)
+        return (
+            ForwardGraphs(policy, lambda: self.experts.release_workspace()) if capturable else None
+        )
 
     def _fingerprint(self) -> int:
         """What every forward header carries: the agreed settings and the placement, so a rank
@@ -217,11 +229,29 @@ class EPMoE(torch.nn.Module):
         w2_scale_inv: torch.Tensor | None = None,
         weights_are: WeightSet | str = "auto",
     ) -> None:
-        """Global ``[E, …]`` weights (and fp8 block scales): this rank keeps its slots' experts;
-        ``[S, …]`` slot weights (without redundancy, the ``[L, …]`` shard) taken as they are;
-        ``weights_are`` ("auto", "global", "slots") says which where ``S == E`` ("auto" reads
-        ``[E, …]`` as global). Cast once to the compute dtype (fp8 weights stay e4m3) and
-        handed to the experts backend for conversion."""
+        """Give this rank its experts' weights (cast once to the compute dtype; fp8 stays e4m3).
+
+        Parameters
+        ----------
+        w13 : torch.Tensor
+            ``[E, 2I, H]`` (``"silu"``: rows ``[gate; up]``) or ``[E, I, H]`` (``"relu2"``), any
+            float dtype: global weights, of which this rank keeps its slots' experts; or
+            ``[S, ...]`` this rank's slot weights in slot order (without redundancy ``S = L``,
+            the local shard). fp8 layers: ``torch.float8_e4m3fn``.
+        w2 : torch.Tensor
+            ``[E | S, H, I]``, as ``w13``.
+        w13_scale_inv, w2_scale_inv : torch.Tensor, optional
+            fp8 layers only: fp32 ``[E | S, 2I/128, H/128]`` and ``[E | S, H/128, I/128]`` block
+            scales (the weight a block stands for is ``w.float() * scale_inv``).
+        weights_are : WeightSet or str
+            ``"auto"`` (``[E, ...]`` is global, ``[S, ...]`` slots), ``"global"`` or ``"slots"``
+            (says which where ``S == E``).
+
+        Raises
+        ------
+        EPInputError
+            A shape, dtype or scale that does not fit, naming the argument.
+        """
         self._check_open()
         slot13, slot2 = self.eplb.select_weights(w13, w2, weights_are)
         check_expert_weights(slot13, slot2, self.config, self.eplb.slots_per_rank)
@@ -294,7 +324,35 @@ class EPMoE(torch.nn.Module):
         topk_weights: torch.Tensor,  # [T, K] float32 (bf16 accepted)
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[T, H]``: Σ_k w[t,k]·FFN_{ids[t,k]}(x[t]). A failure on any rank fails every rank."""
+        """``out[t] = Σ_k topk_weights[t, k] · FFN_{topk_ids[t, k]}(x[t])`` over this rank's tokens.
+
+        Collective: every rank of the group calls it (with its own tokens, possibly none).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            ``[T, H]`` in the compute dtype, on the layer's device: this rank's tokens.
+        topk_ids : torch.Tensor
+            ``[T, K]`` int32 or int64 expert ids, distinct per row; ``-1`` marks an unused slot
+            (its weight is ignored, NaN included). ``K ≤ config.top_k``, the same on every rank.
+        topk_weights : torch.Tensor
+            ``[T, K]`` float32 (bf16 accepted): router weights, applied once.
+        out : torch.Tensor, optional
+            ``[T, H]`` like ``x``, written in place and returned.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, H]`` in the compute dtype (sums in fp32, rounded once).
+
+        Raises
+        ------
+        EPInputError
+            Bad input on this rank (named, before any rank communicates).
+        RemoteRankError
+            Another rank failed (its rank and reason); ``ForwardMismatchError`` where ranks are
+            not in the same forward of the same layer with the same placement.
+        """
         self._check_open()
         failure = self._input_error(x, topk_ids, topk_weights, out)
         if failure is not None:  # every rank learns it in the first collective
@@ -335,13 +393,8 @@ class EPMoE(torch.nn.Module):
         graphs = self.graphs
         if graphs is None or self.phase_timer is not None or not graphs.takes(x.size(0)):
             return self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
-        graphs.run(self._run_round, x, topk_ids, topk_weights, out)
+        graphs.run(lambda *io: self._forward_chunk(*io, 1, None), x, topk_ids, topk_weights, out)
         return 1  # a world of one
-
-    def _run_round(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        self._forward_chunk(x, topk_ids, topk_weights, out, 1, None)
 
     def _input_error(
         self,
@@ -361,31 +414,16 @@ class EPMoE(torch.nn.Module):
                 dtype=self.spec.dtype,
                 device=self.comm.device,
                 capacity=self._input_cap,
+                out=out,
             )
-            if out is not None and (
-                out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
-            ):
-                raise EPInputError(
-                    "out",
-                    f"shape {list(x.shape)}, dtype {x.dtype} on {x.device} (as x)",
-                    f"shape {list(out.shape)}, dtype {out.dtype} on {out.device}",
-                )
         except Exception as error:
             return error
-        if not self._warned_about_grad and (x.requires_grad or topk_weights.requires_grad):
-            self._warn_about_grad(x=x, topk_weights=topk_weights)
+        if not self._warned_about_grad:
+            warning = grad_warning(x=x, topk_weights=topk_weights)
+            if warning is not None:
+                self._warned_about_grad = True
+                warnings.warn(warning, stacklevel=3)
         return None
-
-    def _warn_about_grad(self, **tensors: torch.Tensor) -> None:
-        needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
-        if needing:
-            self._warned_about_grad = True
-            warnings.warn(
-                f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
-                "gradient flows through this layer; run it under torch.inference_mode() or "
-                "torch.no_grad()",
-                stacklevel=4,
-            )
 
     def _forward_chunk(
         self,
@@ -399,10 +437,9 @@ class EPMoE(torch.nn.Module):
         """One dispatch → experts → combine round; returns the forward's chunk count. A failure
         in the experts still takes part in the combine, carrying its status. Each phase runs
         through ``phase_timer`` when one is set."""
-        run = self.phase_timer or _run_now
-        dispatched, num_chunks = run(
-            "dispatch",
-            lambda: self.dispatcher.dispatch(
+        phases = self.phase_timer or _untimed
+        with phases("dispatch"):
+            dispatched, num_chunks = self.dispatcher.dispatch(
                 x,
                 topk_ids,
                 topk_weights,
@@ -411,18 +448,16 @@ class EPMoE(torch.nn.Module):
                 num_local_chunks=num_local_chunks,
                 failure=failure,
                 slot_load=self.eplb.slot_load,
-            ),
-        )
+            )
         expert_output = None
         if failure is None:
             try:
-                expert_output = run("experts", lambda: self.experts.forward(dispatched))
+                with phases("experts"):
+                    expert_output = self.experts.forward(dispatched)
             except BaseException as error:  # the peers learn it through the combine
                 failure = error
-        run(
-            "combine",
-            lambda: self.dispatcher.combine(expert_output, dispatched, out, failure=failure),
-        )
+        with phases("combine"):
+            self.dispatcher.combine(expert_output, dispatched, out, failure=failure)
         return num_chunks
 
     def check(self) -> None:

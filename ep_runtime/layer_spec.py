@@ -80,6 +80,13 @@ class LayerSpec:
             requested_layout = None if layout == AUTO else TopkLayout(layout)
         except ValueError:
             raise EPInputError("layout", "'auto', 'standard' or 'expanded'", layout) from None
+        if config.quantization is not None and (num_redundant_experts or eplb_interval):
+            raise EPInputError(
+                "num_redundant_experts",
+                "0 and no eplb_interval with quantization='fp8_block' (rebalancing moves "
+                "unquantized weights only, for now)",
+                f"{num_redundant_experts} (eplb_interval={eplb_interval})",
+            )
         cap = config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
         check_token_bound(cap)
         if cap is None and checked_mode is DispatchMode.CAPACITY:

@@ -28,20 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ep_runtime.config import MoEConfig
+
 MEMORY_FRACTION = 0.5  # of the free memory a round's buffers may take (headroom: imbalance, model)
 QUERY_ABOVE_BYTES = 64 << 20  # forwards whose buffers are estimated below this never ask
 READING_TTL_S = 1.0  # a layer's free-memory reading serves its forwards that fit it this long
 clock = time.monotonic  # when a reading was taken (a module attribute: tests set their own)
 
 
-def bytes_per_token(
-    hidden_size: int,
-    intermediate_size: int,
-    w13_rows: int,
-    top_k: int,
-    world_size: int,
-    dtype: torch.dtype,
-) -> int:
+def bytes_per_token(config: MoEConfig, world_size: int) -> int:
     """Device bytes one token of this rank adds to an exact-mode forward's buffers, taking a
     rank to receive about as many rows as it sends. With ``m = min(K, W)`` (wire rows per token:
     one per destination rank), ``s`` the compute dtype's size and a wire row ``H·s + 8K`` bytes
@@ -53,9 +48,11 @@ def bytes_per_token(
       + K·(w13_rows + I)·s      GEMM1's output and the activation
       + K·H·s                   GEMM2's output
     """
-    s, m = dtype.itemsize, min(top_k, world_size)
-    wire = 2 * m * (hidden_size * s + 8 * top_k) + 2 * m * hidden_size * s
-    experts = top_k * (2 * hidden_size + w13_rows + intermediate_size) * s
+    assert config.dtype is not None  # resolved (LayerSpec)
+    hidden, top_k = config.hidden_size, config.top_k
+    s, m = config.dtype.itemsize, min(top_k, world_size)
+    wire = 2 * m * (hidden * s + 8 * top_k) + 2 * m * hidden * s
+    experts = top_k * (2 * hidden + config.w13_rows + config.intermediate_size) * s
     return wire + experts
 
 

@@ -24,8 +24,10 @@ def check_forward_inputs(
     dtype: torch.dtype,
     device: torch.device,
     capacity: int | None,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Raise ``EPInputError`` for the first problem found. ``capacity`` set: T must fit it."""
+    """Raise ``EPInputError`` for the first problem found. ``capacity`` set: T must fit it;
+    ``out`` given: it must be shaped as ``x``, on its device, in its dtype."""
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(tensor, torch.Tensor):
             raise EPInputError(name, "a torch.Tensor", type(tensor).__name__)
@@ -58,6 +60,24 @@ def check_forward_inputs(
         raise EPInputError(
             "x", f"at most max_tokens_per_rank={capacity} rows in capacity mode", num_tokens
         )
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise EPInputError(
+            "out",
+            f"shape {list(x.shape)}, dtype {x.dtype} on {x.device} (as x)",
+            f"shape {list(out.shape)}, dtype {out.dtype} on {out.device}",
+        )
+
+
+def grad_warning(**tensors: torch.Tensor) -> str | None:
+    """The one-time warning for inputs that require grad (the layer is forward-only)."""
+    needing = [name for name, tensor in tensors.items() if tensor.requires_grad]
+    if not needing:
+        return None
+    return (
+        f"EPMoE is forward-only (inference): {', '.join(needing)} requires grad, but no "
+        "gradient flows through this layer; run it under torch.inference_mode() or "
+        "torch.no_grad()"
+    )
 
 
 def check_topk_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:

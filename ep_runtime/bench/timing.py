@@ -4,13 +4,14 @@ device-to-device copy rate, the kernels a call launches)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -41,20 +42,29 @@ class PhaseClock:
     def sync(self) -> None:
         sync(self.comm.device)
 
-    def time(self, phase: Callable[[], R]) -> tuple[R, float]:
-        """``(phase(), seconds)`` measured from a common start."""
+    def start(self) -> float:
+        """The common start: every rank's queued work done, then together."""
         self.sync()
         self.comm.barrier()
         self.sync()
-        start = time.perf_counter()
-        result = phase()
+        return time.perf_counter()
+
+    def seconds_since(self, start: float) -> float:
+        """Seconds from ``start`` to this rank's queued work done."""
         self.sync()
-        return result, time.perf_counter() - start
+        return time.perf_counter() - start
+
+    def time(self, phase: Callable[[], R]) -> tuple[R, float]:
+        """``(phase(), seconds)`` measured from a common start."""
+        start = self.start()
+        result = phase()
+        return result, self.seconds_since(start)
 
 
 class PhaseRecorder:
-    """A layer's ``phase_timer``: times each phase of a forward with ``clock`` (summed over the
-    rounds of a chunked forward), so what is timed is exactly what ``EPMoE.forward`` runs."""
+    """A layer's ``phase_timer``: ``with recorder(name):`` times each phase of a forward as
+    ``PhaseClock.time`` does (summed over the rounds of a chunked forward), so what is timed is
+    exactly what ``EPMoE.forward`` runs."""
 
     def __init__(self, clock: PhaseClock) -> None:
         self.clock = clock
@@ -63,10 +73,11 @@ class PhaseRecorder:
     def reset(self) -> None:
         self.seconds = {}
 
-    def __call__(self, name: str, work: Callable[[], R]) -> R:
-        result, seconds = self.clock.time(work)
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        return result
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = self.clock.start()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + self.clock.seconds_since(start)
 
 
 @dataclass(frozen=True)

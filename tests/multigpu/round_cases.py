@@ -3,7 +3,7 @@ layer's phase timer sees) and compare the output with ``reference_moe`` per toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,10 +42,10 @@ def run_rounds_case(spec: CaseSpec, free_tokens: tuple[int | None, ...] | None) 
         rounds.QUERY_ABOVE_BYTES = 0
     dispatches = 0
 
-    def count(name: str, work: Callable[[], T]) -> T:
+    def count(name: str) -> contextlib.nullcontext:
         nonlocal dispatches
         dispatches += name == "dispatch"
-        return work()
+        return contextlib.nullcontext()
 
     try:
         layer.phase_timer = count
