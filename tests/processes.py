@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# a private Ray cluster's temp dir (ep_runtime/launch/ray_driver.py): RAY_TEMP/epray_*, its
+# session dir named after the launcher's pid
+RAY_TEMP, RAY_TEMP_PREFIX = Path("/tmp"), "epray_"
+STOP_GRACE_S = 20.0  # for a stopped launcher to end its ranks and its cluster
 LAUNCH = [sys.executable, "-m", "ep_runtime.launch"]
 # the worktree's package in every process the launcher starts; no cluster from the environment
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")} | {
@@ -78,6 +83,13 @@ def kill_all(pids: Iterable[int], grace_s: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+def ray_temp_dirs(launcher_pid: int) -> list[Path]:
+    """The temp dirs of the private Ray clusters a launcher process started that are still
+    there (Ray names each session dir after the driver's pid)."""
+    sessions = RAY_TEMP.glob(f"{RAY_TEMP_PREFIX}*/session_*_{launcher_pid}")
+    return sorted({session.parent for session in sessions})
+
+
 class Run:
     """A CLI run in a subprocess (its own process group), remembering every process it started.
 
@@ -124,8 +136,21 @@ class Run:
         left = self.left_behind(wait_s)
         assert not left, f"left behind: {left}"
 
+    def stop(self) -> None:
+        """Stop the launcher as a user would: SIGTERM to it alone, then wait while it ends its
+        ranks and removes a private Ray cluster, temp dir included (a few seconds); its output
+        is read (so that it never blocks on a full pipe) and dropped."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.communicate(timeout=STOP_GRACE_S)
+
     def close(self) -> None:
-        """Teardown: kill the launcher (if running) and every process it was seen to start."""
+        """Teardown: ``stop``, then kill whatever the run left (every process it was seen to
+        start) and remove the temp dir of a private Ray cluster it could not."""
+        self.stop()
         kill_all([self.process.pid, *self.seen], grace_s=2.0)
         with contextlib.suppress(Exception):
             self.process.communicate(timeout=5)
+        for temp_dir in ray_temp_dirs(self.process.pid):
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -27,6 +27,7 @@ from tests.processes import (
     alive,
     descendants,
     process_table,
+    ray_temp_dirs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -94,6 +95,7 @@ def test_ray_run_passes_and_reports(tmp_path, launcher_runs):
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert any("raylet" in cmd for cmd in run.seen.values())  # it did start a local cluster
     run.assert_nothing_left()
+    assert ray_temp_dirs(run.process.pid) == []  # the cluster's temp dir went with it
 
 
 def test_rank_that_raises_ends_the_run_naming_it(tmp_path, launcher_runs):
@@ -136,6 +138,21 @@ def test_ctrl_c_tears_everything_down(launcher_runs):
     assert code == 130, output
     assert "interrupted" in output
     run.assert_nothing_left()
+    assert ray_temp_dirs(run.process.pid) == []
+
+
+def test_a_run_stopped_at_teardown_leaves_no_ray_temp_dir(launcher_runs):
+    """A test's teardown of a run still going (``Run.close``) stops the launcher first
+    (``Run.stop``: SIGTERM to it alone): it tears down its ranks and its private cluster, temp
+    dir included. (Before, the teardown signalled every process of the run at once and killed
+    the launcher 2 s later, mid-teardown: an /tmp/epray_* dir stayed behind.)"""
+    run = launcher_runs("--dp", "2", "--iters", "1000000")
+    assert run.watch_until(_running_ranks(2), timeout=90), "rank actors never started"
+    [temp_dir] = ray_temp_dirs(run.process.pid)
+    run.stop()
+    assert run.process.returncode == 130  # its own teardown, not a kill
+    run.assert_nothing_left()
+    assert not temp_dir.exists()
 
 
 def test_rank_rejecting_its_input_is_one_line_exit_2(tmp_path, launcher_runs):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ep_runtime.bench.metrics import imbalance
@@ -194,10 +195,22 @@ def build_report(spec: dict, launcher: str, ranks: list[dict], elapsed_s: float)
     }
 
 
+REPORT_WIDTH = 80  # every table fits it, in a terminal and piped (a log, ray job logs)
+
+
 def _table(title: str, columns: dict[str, str]) -> Table:
-    """A compact table (fits 80 columns): ``columns`` maps header -> justify. Cells never wrap
-    or lose characters; a ``host`` column folds instead when the console is narrow."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    """A compact table (``columns`` maps header -> justify): two spaces between columns, no
+    edges. Cells never wrap or lose characters; a ``host`` column folds instead when the table
+    would be wider than ``REPORT_WIDTH``."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
     for header, justify in columns.items():
         if header == "host":
             table.add_column(header, justify=justify, overflow="fold")
@@ -206,25 +219,62 @@ def _table(title: str, columns: dict[str, str]) -> Table:
     return table
 
 
+def print_table(table: Table, console: Console) -> None:
+    """``table`` at most ``REPORT_WIDTH`` wide whatever the console's width (piped output is
+    wider, for the prose), then a blank line."""
+    console.print(table, width=min(console.width, REPORT_WIDTH))
+    console.print()
+
+
+def ms_text(ms: float) -> str:
+    """A time in ms to four significant digits, at most 5 characters below 100 s: ``0.012``,
+    ``95.86``, ``992.2``, ``12346``."""
+    for limit, digits in ((10, 3), (100, 2), (1000, 1)):
+        if round(ms, digits) < limit:
+            return f"{ms:.{digits}f}"
+    return f"{ms:.0f}"
+
+
+def verdict_line(report: dict) -> str:
+    """The report's last line: PASSED or FAILED, the layer's median time per forward (per
+    layout where there are several) and the largest validation error against its tolerance;
+    within ``REPORT_WIDTH`` for times below 100 s."""
+    cases = report["cases"]
+    times = [ms_text(case["phases"]["layer"]["median_ms"]) for case in cases]
+    if len(cases) == 1:
+        layer = f"layer {times[0]} ms per forward"
+    else:  # "layer standard 4.000, expanded 5.000 ms"
+        per_layout = (f"{case['layout']} {time}" for case, time in zip(cases, times, strict=True))
+        layer = f"layer {', '.join(per_layout)} ms"
+    word = "PASSED" if report["passed"] else "FAILED"
+    return f"{word}: {layer}, rel err {report['max_rel_err']:.1e} (tol {report['tolerance']:.1e})"
+
+
+def print_verdict(line: str, passed: bool, console: Console) -> None:
+    """``line`` (from ``verdict_line``) as the report's last line, its first word coloured."""
+    word, rest = line.split(":", 1)
+    colour = "green" if passed else "red"
+    console.print(f"[bold {colour}]{word}[/]:{escape(rest)}", highlight=False)
+
+
 def print_report(report: dict, console: Console) -> None:
-    """Summary line; per layout a phase table and a validation table; one traffic-and-memory
-    table (the same for every layout); then the legend."""
+    """The run in one line; per layout a phase table and a validation table; one
+    traffic-and-memory table (the same for every layout); the backends not chosen, the legend;
+    last, the verdict (``verdict_line``), so that it is on screen when the run ends."""
     model = report["model"]
-    verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
     console.print(
-        f"{verdict}  {model['name']} E={model['num_experts']} K={model['top_k']} "
+        f"{model['name']} E={model['num_experts']} K={model['top_k']} "
         f"H={model['hidden_size']} I={model['intermediate_size']} {model['activation']}  "
         f"W={report['world_size']} ({report['launcher']}, {report['device']}, {report['dtype']}, "
-        f"{report['mode']})  T/rank={report['tokens_per_rank']}  "
-        f"max rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e}), "
-        f"max abs err {report['max_abs_err']:.2e}"
+        f"{report['mode']})  T/rank={report['tokens_per_rank']}",
+        highlight=False,
     )
     baselines = report["baselines"]
     experts_floor = report["experts_baseline"]
     for index, case in enumerate(report["cases"]):
         backends = f"{case['dispatcher']} / {case['experts']}, layout {case['layout']}"
         phases = _table(
-            f"Phases, {backends}: ms, max over ranks per iteration",
+            f"Phases, {backends} (ms)",
             {"phase": "left", "median": "right", "min": "right", "rate": "right",
              "baseline": "left", "base": "right", "base/phase": "right"},
         )  # fmt: skip
@@ -242,14 +292,14 @@ def print_report(report: dict, console: Console) -> None:
             ratio = case["vs_baseline"].get(f"{phase}_vs_{baseline}")
             phases.add_row(
                 phase,
-                f"{stats['median_ms']:.3f}",
-                f"{stats['min_ms']:.3f}",
+                ms_text(stats["median_ms"]),
+                ms_text(stats["min_ms"]),
                 rate,
                 baseline if base else "",
-                f"{base['median_ms']:.3f}" if base else "",
+                ms_text(base["median_ms"]) if base else "",
                 f"{ratio:.2f}" if ratio is not None else "",
             )
-        console.print(phases)
+        print_table(phases, console)
         validation = _table(
             f"Validation, {backends}",
             {"rank": "right", "host": "left", "tokens": "right", "max abs err": "right",
@@ -266,9 +316,12 @@ def print_report(report: dict, console: Console) -> None:
                 f"{result['tolerance']:.1e}",
                 "[green]ok[/]" if result["passed"] else "[red]FAIL[/]",
             )
-        console.print(validation)
-        for line in case.get("eplb", {}).get("lines", ()):  # expert load balancing
+        print_table(validation, console)
+        balancing = case.get("eplb", {}).get("lines", ())  # expert load balancing
+        for line in balancing:
             console.print(line, markup=False, highlight=False)
+        if balancing:
+            console.print()
     ranks = _table(
         "Ranks: traffic and memory (the same for every layout)",
         {"rank": "right", "host": "left", "recv rows": "right", "recv MB": "right",
@@ -285,7 +338,7 @@ def print_report(report: dict, console: Console) -> None:
             f"{r['expert_weight_bytes'] / 1e6:.1f}",
             f"{r['peak_memory_bytes'] / 1e6:.0f}",
         )
-    console.print(ranks)
+    print_table(ranks, console)
     load = report["load"]
     console.print(
         f"load: rank imbalance (max/mean valid pairs over ranks) {load['rank_imbalance']:.2f}"
@@ -296,6 +349,7 @@ def print_report(report: dict, console: Console) -> None:
         console.print(f"[dim]{line}[/]", highlight=False)
     for note in report["notes"]:
         console.print(f"note: {note}")
+    print_verdict(verdict_line(report), report["passed"], console)
 
 
 def _print_passed_over(cases: list[dict], console: Console) -> None:

@@ -26,7 +26,11 @@ from ep_runtime.experts import EXPERTS
 from ep_runtime.launch import hf_run, layer_eplb
 from ep_runtime.launch.layer_run import FAILURE_KINDS, FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
-from ep_runtime.launch.progress import ProgressFactory, RunProgress
+from ep_runtime.launch.progress import (
+    ProgressFactory,
+    RunProgress,
+    silence_library_progress_bars,
+)
 from ep_runtime.launch.spec import LaunchError, RankFailure, RunOutcome, RunSpec
 from ep_runtime.launch.supervision import stop_handlers, usage_error_line
 from ep_runtime.types import BackendUnavailableError, EPInputError
@@ -372,8 +376,9 @@ def print_line(console: Console, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
-    if not console.is_terminal:  # logs, ray job output: room for the tables, prose unwrapped
+    if not console.is_terminal:  # logs, ray job output: prose unwrapped, no progress bars
         console = Console(width=max(console.width, 100), soft_wrap=True)
+        silence_library_progress_bars()
     launcher = choose_launcher(args.launcher)
     try:
         if launcher == "ray" and importlib.util.find_spec("ray") is None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 from rich.console import Console
 
-from ep_runtime.bench.report import _table
+from ep_runtime.bench.report import _table, print_table, print_verdict
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
+MAX_NAMED_RANKS = 4  # the verdict names the ranks whose tokens differ up to this many
 # printed under the tables, one line per column group, and stored in the JSON report
 CONVENTIONS = (
     "prompt = prompt tokens (rank r: --hf-prompt-tokens + 3r); gen = tokens generated (at most "
@@ -56,7 +57,10 @@ def reference_greedy(
 
 def fp8_reference(model: torch.nn.Module) -> str | None:
     """For a model with FP8 experts, what computes them in the reference: transformers' own
-    forward where it runs, else the fp8 contract's math (``integrations.transformers.fp8``)."""
+    forward where it runs, else the fp8 contract's math (``integrations.transformers.fp8``),
+    saying in one line why transformers' does not run: off a GPU, that it needs one (its kernels,
+    DeepGEMM or the Hub's finegrained-fp8 Triton kernel, are CUDA only: not tried, so nothing is
+    fetched from the Hub); on a GPU, the first line of the error its forward raised."""
     from ep_runtime.integrations.transformers.fp8 import (
         fp8_experts,
         fp8_forward_unavailable,
@@ -65,9 +69,15 @@ def fp8_reference(model: torch.nn.Module) -> str | None:
 
     if not fp8_experts(model):
         return None
-    unavailable = fp8_forward_unavailable(model)
-    if unavailable is None:
-        return "FP8 experts: transformers' own fp8 forward"
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        unavailable = fp8_forward_unavailable(model)
+        if unavailable is None:
+            return "FP8 experts: transformers' own fp8 forward"
+    else:
+        unavailable = (
+            f"it needs a GPU, its kernels are CUDA only; the reference runs on {device.type}"
+        )
     use_contract_experts(model)
     return (
         "FP8 experts: the fp8 contract's math (fp64, dequantized weights, quantized GEMM inputs); "
@@ -186,17 +196,32 @@ def describe_router(router: dict) -> str:
     return ", ".join(parts)
 
 
+def hf_verdict_line(report: dict) -> str:
+    """The report's last line: PASSED or FAILED, whether every rank's tokens are transformers'
+    (else the ranks whose differ), the largest logits error against its tolerance."""
+    differ = [str(r["rank"]) for r in report["per_rank"] if not r["validation"]["tokens_match"]]
+    if len(differ) > MAX_NAMED_RANKS:  # the line stays within 80 columns
+        ranks = f"{len(differ)} of {report['world_size']} ranks"
+    else:
+        ranks = f"rank{'s' if len(differ) > 1 else ''} {', '.join(differ)}"
+    tokens = f"tokens differ on {ranks}" if differ else "tokens as transformers'"
+    word = "PASSED" if report["passed"] else "FAILED"
+    return (
+        f"{word}: {tokens}, logits rel err {report['max_rel_err']:.1e} "
+        f"(tol {report['tolerance']:.1e})"
+    )
+
+
 def print_hf_report(report: dict, console: Console) -> None:
-    """Summary line; a generation table and an experts-and-validation table (both fit 80
-    columns); a legend line per group of columns."""
+    """The run in one line; a generation table and an experts-and-validation table (both fit 80
+    columns); a legend line per group of columns; last, the verdict (``hf_verdict_line``)."""
     model = report["model"]
-    verdict = "[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]"
     console.print(
-        f"{verdict}  {report['hf_model']} ({report['architecture']} × {report['moe_blocks']}, "
+        f"{report['hf_model']} ({report['architecture']} × {report['moe_blocks']}, "
         f"E={model['num_experts']} K={model['top_k']} H={model['hidden_size']} "
         f"I={model['intermediate_size']})  W={report['world_size']} ({report['launcher']}, "
         f"{report['device']}, {report['dtype']}, {report['mode']})  {report['steps']} lockstep "
-        f"steps  max logits rel err {report['max_rel_err']:.2e} (tol {report['tolerance']:.2e})",
+        "steps",
         highlight=False,
     )
     console.print(
@@ -240,8 +265,8 @@ def print_hf_report(report: dict, console: Console) -> None:
             f"{v['tolerance']:.1e}",
             status,
         )
-    console.print(generation)
-    console.print(held)
+    print_table(generation, console)
+    print_table(held, console)
     for r in report["per_rank"]:
         if r.get("load"):  # --hf-model DIR: what each rank read of the checkpoint
             console.print(f"[dim]{r['load']}[/]", highlight=False)
@@ -249,6 +274,7 @@ def print_hf_report(report: dict, console: Console) -> None:
     console.print(f"[dim]the model has {total} routed-expert parameters in all[/]")
     for line in report["conventions"]:
         console.print(f"[dim]{line}[/]", highlight=False)
+    print_verdict(hf_verdict_line(report), report["passed"], console)
 
 
 def _count(number: int) -> str:
