@@ -1,5 +1,6 @@
 """Checkpoints on disk for the loading tests: written by transformers' own ``save_pretrained``,
-and damaged on purpose (a tensor removed, one replaced by a wrong shape, one cast to fp8).
+and damaged on purpose (a tensor removed, one replaced by a wrong shape, one cast to fp8 or to an
+integer dtype, values set to NaN or Inf).
 
 Nothing here imports ``ep_runtime``: which tensors a rank must read is worked out from the
 checkpoint's names alone (``expected_reads``), independently of the loader's plan.
@@ -8,6 +9,7 @@ checkpoint's names alone (``expected_reads``), independently of the loader's pla
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -46,6 +48,14 @@ def expected_reads(directory: Path, local: range) -> dict[str, tuple[int, int] |
     return expected
 
 
+def numel(directory: Path, name: str) -> int:
+    """How many values ``name`` holds, from its shard's header."""
+    from safetensors import safe_open
+
+    with safe_open(str(directory / weight_map(directory)[name]), framework="pt") as handle:
+        return math.prod(handle.get_slice(name).get_shape())
+
+
 def _rewrite(directory: Path, name: str, change) -> Path:
     """Rewrite the shard holding ``name`` with ``change(tensors)`` applied; the shard's path."""
     from safetensors.torch import load_file, save_file
@@ -79,6 +89,15 @@ def reshape_tensor(directory: Path, name: str) -> Path:
 def cast_tensor(directory: Path, name: str, dtype: torch.dtype) -> Path:
     def change(tensors: dict[str, torch.Tensor]) -> None:
         tensors[name] = tensors[name].to(dtype)
+
+    return _rewrite(directory, name, change)
+
+
+def set_values(directory: Path, name: str, value: float, at: object = slice(None)) -> Path:
+    """Set ``name[at]`` (all of it by default) to ``value`` (e.g. NaN, Inf)."""
+
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name][at] = value
 
     return _rewrite(directory, name, change)
 

@@ -1,16 +1,20 @@
 """Which TCP sockets processes listen on, read from outside them: psutil for processes in this
 network namespace; ``/proc/<pid>/net/tcp*`` for a process in another one (psutil reads this
-namespace's tables only). Also which listeners are Ray's own, by Ray's own log lines."""
+namespace's tables only). Also which listeners are Ray's own, by Ray's own log lines, and what a
+listener answers in HTTP to a client without Ray's token."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import ipaddress
 import os
 import re
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +30,11 @@ class Listener:
 
     @property
     def loopback(self) -> bool:
-        return ipaddress.ip_address(self.address.split("%")[0]).is_loopback
+        """On a loopback address; an IPv6 socket bound to an IPv4-mapped one (``::ffff:127.0.0.1``,
+        how Ray's gRPC servers show) counts as its IPv4 address."""
+        address = ipaddress.ip_address(self.address.split("%")[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        return (mapped or address).is_loopback
 
     def __str__(self) -> str:
         return f"pid {self.pid} on {self.address}:{self.port}"
@@ -100,6 +108,23 @@ def ray_grpc_ports(session_dir: Path) -> set[tuple[int, int]]:
             text = log.read_text(errors="replace")
             found |= {(int(pid), int(port)) for pid, port in _RAY_GRPC_LINE.findall(text)}
     return found
+
+
+def http_without_token(listener: Listener, paths: tuple[str, ...]) -> dict[str, int | None]:
+    """The HTTP status each of ``paths`` gets from ``listener`` with no credentials (no Ray
+    token); ``None`` where nothing answers in HTTP (a gRPC server, a closed socket)."""
+    host = listener.address.removeprefix("::ffff:")
+    host = f"[{host}]" if ":" in host else host
+    answers: dict[str, int | None] = {}
+    for path in paths:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{listener.port}{path}", timeout=2) as reply:
+                answers[path] = reply.status
+        except urllib.error.HTTPError as error:
+            answers[path] = error.code
+        except (OSError, http.client.HTTPException):
+            answers[path] = None
+    return answers
 
 
 # another network namespace --------------------------------------------------------------------

@@ -23,11 +23,14 @@ from ep_runtime.integrations.transformers import (
     random_config,
 )
 from tests.checkpoint_files import (
+    INDEX,
     add_tensor,
     cast_tensor,
     drop_tensor,
     expected_reads,
+    numel,
     reshape_tensor,
+    set_values,
     weight_map,
     write_checkpoint,
 )
@@ -36,6 +39,8 @@ from tests.hf_oracle import hf_greedy, model_eos, needs_transformers
 pytestmark = needs_transformers
 SEED = 5
 PROMPT = [7, 100, 3, 45, 250, 9]
+NAN, INF = float("nan"), float("inf")
+EXPERT_3 = "model.layers.2.mlp.experts.3.up_proj.weight"  # qwen3-moe: [I, H], rank 0's of 2
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +243,74 @@ def test_an_fp8_tensor_is_refused_with_the_reason(tmp_path: Path, references) ->
     assert name in message and str(shard) in message and "no fp8 weight path" in message
 
 
+@pytest.mark.parametrize(
+    ("original", "name", "what"),
+    [
+        (True, EXPERT_3, "expert 3 of 12"),
+        (False, "model.layers.0.mlp.experts.gate_up_proj", "the fused experts"),
+        (True, "model.norm.weight", "a tensor"),
+    ],
+    ids=["per-expert", "fused", "dense"],
+)
+def test_an_integer_tensor_where_the_model_has_floats_is_refused_naming_it(
+    tmp_path: Path, references, original: bool, name: str, what: str
+) -> None:
+    """An int32 expert was cast to the model's dtype and served as weights."""
+    path = write_checkpoint(references["qwen3-moe"], tmp_path, original=original)
+    shard = cast_tensor(path, name, torch.int32)
+    assert refusal(path) == (
+        f"checkpoint tensor {name} in {shard}: expected {what} in a floating-point dtype "
+        "(BF16, F16, F32, F64, F8_E4M3, F8_E5M2), given I32"
+    )
+
+
+FUSED_UP = "model.layers.0.mlp.experts.gate_up_proj"  # [E, 2I, H]
+FUSED_DOWN = "model.layers.2.mlp.experts.down_proj"  # [E, H, I]
+
+
+@pytest.mark.parametrize(
+    ("original", "name", "value", "at", "expected"),
+    [  # expected: NaN and Inf counted by hand, and the experts (fused rows) holding them
+        (True, EXPERT_3, NAN, slice(None), ("all", 0, [])),
+        (True, EXPERT_3, INF, (1, 2), (0, 1, [])),
+        (False, FUSED_DOWN, -INF, (5, 0, 3), (0, 1, [5])),
+        (False, FUSED_UP, NAN, slice(7, 9), ("2 of 12 rows", 0, [7, 8])),
+        (True, "model.norm.weight", NAN, 4, (1, 0, [])),
+    ],
+    ids=["nan-expert", "inf-expert", "inf-fused", "nan-fused-rows", "nan-dense"],
+)
+def test_nan_or_inf_values_are_refused_naming_the_tensor_and_counting_them(
+    tmp_path: Path, references, original: bool, name: str, value: float, at, expected
+) -> None:
+    """They ran: the output wrong (exit 1, blamed on EP) or, unrouted, not noticed at all."""
+    path = write_checkpoint(references["qwen3-moe"], tmp_path, original=original)
+    shard = set_values(path, name, value, at)
+    values = numel(path, name)
+    nan, inf, experts = expected
+    nan = {"all": values, "2 of 12 rows": 2 * values // 12}.get(nan, nan)
+    where = f" (in experts {experts})" if experts else ""
+    assert refusal(path) == (
+        f"checkpoint tensor {name} in {shard}: expected finite values (as loaded in float32), "
+        f"given {nan} NaN and {inf} Inf among its {values} values{where}"
+    )
+
+
+def test_the_value_check_reads_each_tensor_once_and_counts_nothing_when_clean(
+    tmp_path: Path, references
+) -> None:
+    from ep_runtime.integrations.safetensors_index import all_finite
+
+    loaded = load(write_checkpoint(references["mixtral"], tmp_path))
+    assert len({r.name for r in loaded.load.reads}) == len(loaded.load.reads)
+    for tensor in (torch.ones(3), torch.empty(0), torch.arange(4)):
+        assert all_finite(tensor)
+    for value in (NAN, INF, -INF):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            tensor = torch.zeros(1000, dtype=dtype)
+            tensor[999] = value
+            assert not all_finite(tensor) and not all_finite(tensor.view(10, 100).t())
+
+
 def test_a_checkpoint_tensor_the_model_has_no_place_for_is_reported_not_read(
     tmp_path: Path, references
 ) -> None:
@@ -300,3 +373,74 @@ def test_the_launcher_loads_a_checkpoint_directory_sharded(tmp_path: Path, refer
         assert row["bytes_read"] == total - experts // 2, f"rank {rank}"  # dense + half the experts
         assert row["load_s"] > 0 and f"rank {rank}/2: read " in row["load"]
         assert " ".join(row["load"].split()) in " ".join(out.split())  # printed (wrapped)
+
+
+def _no_launch(*args):
+    raise AssertionError("a rank was started")
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "integer expert", "missing tensor"])
+def test_the_launcher_checks_the_checkpoint_before_any_rank_starts(
+    tmp_path: Path, references, capsys, monkeypatch, damage: str
+) -> None:
+    """Issue 47: a missing shard was found only once Ray and the ranks had started (10.8 s);
+    now the launcher's own checks find it, with every other metadata fault, before (the default
+    launcher, Ray, is never reached: ``_launch`` fails the test if called)."""
+    from ep_runtime.launch import cli
+
+    monkeypatch.setattr(cli, "_launch", _no_launch)
+    path = write_checkpoint(references["qwen3-moe"], tmp_path)
+    shard, index = path / weight_map(path)[EXPERT_3], path / INDEX
+    if damage == "missing shard":
+        shard.unlink()
+        line = f"checkpoint file {shard.name}: expected a file named in {index}, given missing"
+    elif damage == "integer expert":
+        cast_tensor(path, EXPERT_3, torch.int32)
+        line = (
+            f"checkpoint tensor {EXPERT_3} in {shard}: expected expert 3 of 12 in a "
+            "floating-point dtype (BF16, F16, F32, F64, F8_E4M3, F8_E5M2), given I32"
+        )
+    else:
+        drop_tensor(path, EXPERT_3)
+        line = (
+            f"checkpoint tensor {EXPERT_3}: expected expert 3 of 12 of shape [32, 64] in "
+            f"{index}, given missing"
+        )
+    assert cli.main(["--dp", "2", "--device", "cpu", "--hf-model", str(path)]) == cli.EXIT_USAGE
+    assert capsys.readouterr().out.splitlines() == [f"error: {line}"]
+
+
+def test_the_launcher_refuses_a_directory_without_a_config(tmp_path: Path, capsys, monkeypatch):
+    from ep_runtime.launch import cli
+
+    monkeypatch.setattr(cli, "_launch", _no_launch)
+    assert cli.main(["--device", "cpu", "--hf-model", str(tmp_path)]) == cli.EXIT_USAGE
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith(
+        f"error: --hf-model: expected a checkpoint directory with a transformers config.json, "
+        f"given '{tmp_path}' ("
+    ), line
+
+
+def test_the_launcher_refuses_nan_and_inf_weights_naming_them_exit_2(
+    tmp_path: Path, references, capsys
+) -> None:
+    """Before: exit 1, "a rank's output was wrong" (or exit 0 where no token was routed to the
+    bad expert). A NaN expert on rank 1 and one Inf in an expert of rank 0: one line, exit 2,
+    naming rank 0's tensor first (its file, the count) and rank 1's after it, whichever rank's
+    error the launcher reports (every rank raises the same)."""
+    from ep_runtime.launch.cli import EXIT_USAGE, main
+
+    path = write_checkpoint(references["qwen3-moe"], tmp_path)
+    nan_name = "model.layers.2.mlp.experts.9.down_proj.weight"  # expert 9: rank 1's of 2
+    set_values(path, nan_name, NAN)
+    shard = set_values(path, EXPERT_3, INF, (1, 2))
+    argv = ["--launcher", "spawn", "--dp", "2", "--device", "cpu", "--hf-model", str(path)]
+    assert main(argv) == EXIT_USAGE
+    errors = [line for line in capsys.readouterr().out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: rank "), errors
+    assert errors[0].endswith(
+        f"EPInputError: checkpoint tensor {EXPERT_3} in {shard}: expected finite values (as "
+        f"loaded in float32), given 0 NaN and 1 Inf among its 2048 values; NaN or Inf in 1 "
+        f"more: {nan_name}"
+    ), errors[0]

@@ -1,8 +1,9 @@
 """A run within one host lets no one in (issue 26): the sockets its processes listen on, sampled
 from outside with psutil while the run is alive, are all on loopback. The rendezvous store is the
 one torch would bind to every interface (shown here as the control); gloo follows the loopback
-interface the launcher sets. Under Ray, Ray's own listeners (known by Ray's log lines) are
-reported apart: they listen on every interface, behind Ray's token."""
+interface the launcher sets. Under Ray, Ray's own services listen on loopback too (the launcher
+starts its private cluster on 127.0.0.1); they are reported apart, with what each answers to a
+client without Ray's token."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 from tests.listeners import (
     Listener,
     by_pid,
+    http_without_token,
     listening,
     listening_in_namespace,
     ray_grpc_ports,
@@ -31,6 +33,8 @@ from tests.processes import Run, descendants
 
 RUN_TIMEOUT_S = 150  # rank start-up on a busy 2-core box takes up to a minute
 LONG_RUN = ("--dp", "2", "--iters", "1000000", "--warmup", "1", "--no-baselines")
+PATHS = ("/metrics", "/api/local_raylet_healthz")  # Prometheus; the agent's health URL
+GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
 
 
 def _new_listeners(before: set[Listener]) -> set[Listener]:
@@ -54,10 +58,12 @@ def _remote_ends(pid: int) -> set[tuple[str, int]]:
 
 
 def _command(pid: int) -> str:
+    """The process's command line, its program by name only (``gcs_server …``, ``ray::…``)."""
     try:
-        return " ".join(psutil.Process(pid).cmdline())
-    except psutil.Error:
+        program, *arguments = psutil.Process(pid).cmdline()
+    except (psutil.Error, ValueError):
         return "?"
+    return " ".join([Path(program).name, *arguments])
 
 
 def _describe(listeners: set[Listener]) -> str:
@@ -127,11 +133,17 @@ def test_spawn_run_listens_on_loopback_only(launcher_runs):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
-def test_local_ray_run_listens_on_loopback_only_apart_from_ray(launcher_runs, capsys):
-    """W = 2 on a local Ray cluster: in the driver and the rank actors, every listener that is
-    not one of Ray's own gRPC servers (Ray logs each with its pid and port) is ours (the store
-    and one gloo listener per rank) and on loopback. Ray's own listen on every interface (it
-    cannot be told otherwise); the cluster runs with token authentication on."""
+def test_local_ray_run_listens_on_loopback_only_ray_included(launcher_runs, capsys):
+    """W = 2 on a local Ray cluster: every process of the run listens on loopback only, Ray's
+    own services included (the launcher starts Ray on 127.0.0.1: ``node_on_loopback``). In the
+    driver and the rank actors, every listener that is not one of Ray's gRPC servers (Ray logs
+    each with its pid and port) is ours: the store and one gloo listener per rank. The GCS
+    refuses a call without Ray's token; with the ``cluster`` extra (``ray[default]``) Ray's
+    agent serves metrics that answer without it (all such listeners are reported: the table in
+    docs/security.md)."""
+    import grpc
+    from ray._private.utils import get_dashboard_dependency_error
+
     run = launcher_runs(*LONG_RUN)
     root = run.process.pid
 
@@ -145,6 +157,8 @@ def test_local_ray_run_listens_on_loopback_only_apart_from_ray(launcher_runs, ca
     seen = sample(lambda: _tree(run), running, RUN_TIMEOUT_S)
     assert run.process.poll() is None, run.finish(10)[1]
     assert running(seen), f"rank actors never ran within {RUN_TIMEOUT_S} s"
+    outside = {item for item in seen if not item.loopback}
+    assert not outside, f"listening beyond loopback: {_describe(outside)}"
     tree = descendants(root)
     session = ray_session_dir(tree.values())
     assert session is not None, "no raylet among the run's processes"
@@ -154,16 +168,29 @@ def test_local_ray_run_listens_on_loopback_only_apart_from_ray(launcher_runs, ca
     ours = {
         item for item in seen if item.pid in ours_pids and (item.pid, item.port) not in ray_ports
     }
-    rays = seen - ours
-    outside = {item for item in ours if not item.loopback}
-    assert not outside, f"our listeners beyond loopback: {_describe(outside)}"
     assert len(ours) == 1 + 2, f"expected the store and 2 gloo listeners: {_describe(ours)}"
+    # Ray's own, now (the run is alive): gRPC (known by the logs) or HTTP, asked without a token
+    rays = listening(_tree(run)) - ours
+    answers = {
+        item: "gRPC" if (item.pid, item.port) in ray_ports else http_without_token(item, PATHS)
+        for item in rays
+    }
     with capsys.disabled():
-        print(f"\nRay's own listeners: {_describe(rays)}")
-    # what docs/security.md says of Ray: every interface, token authentication on
-    assert any(not item.loopback for item in rays), _describe(rays)
-    gcs = [pid for pid, cmd in tree.items() if "gcs_server" in cmd.split()[0]]
-    assert gcs and psutil.Process(gcs[0]).environ().get("RAY_AUTH_MODE") == "token"
+        print("\nRay's own listeners, asked without the token:")
+        for item in sorted(rays, key=lambda item: (_command(item.pid)[:20], item.port)):
+            print(f"  {item} ({_command(item.pid)[:40]}): {answers[item]}")
+    [gcs] = [pid for pid, cmd in tree.items() if "gcs_server" in cmd.split()[0]]
+    assert psutil.Process(gcs).environ().get("RAY_AUTH_MODE") == "token"
+    [gcs_port] = [port for pid, port in ray_ports if pid == gcs]
+    channel = grpc.insecure_channel(f"{LOOPBACK}:{gcs_port}")
+    with channel, pytest.raises(grpc.RpcError) as refused:  # the GCS asks for the token
+        channel.unary_unary(GCS_METHOD)(b"", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+    if get_dashboard_dependency_error() is None:  # ray[default]: the agent's metrics export
+        [agent] = [pid for pid, cmd in tree.items() if cmd.startswith("ray::DashboardAgent")]
+        open_to_all = [item for item, answer in answers.items() if answer != "gRPC"
+                       and answer["/metrics"] == 200]  # fmt: skip
+        assert any(item.pid == agent for item in open_to_all), _describe(rays)
 
 
 def test_torchrun_on_one_node_ranks_listen_on_loopback_only(launcher_runs, capsys):

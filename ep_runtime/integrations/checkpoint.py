@@ -15,8 +15,12 @@ each block's gate and up projections into ``w13 [L, 2I, H]`` once, and replaces 
 ``EPMoEBlock``\\ s holding only those experts. Per-rank memory is the dense part plus E/W experts.
 
 Every rank checks the whole checkpoint's metadata (cheap: no tensor data), so a checkpoint that
-does not match the model (a missing tensor, a wrong shape) raises the same ``EPInputError``,
-naming the tensor and the file, on every rank before any rank communicates.
+does not match the model (a missing tensor, a wrong shape, an integer dtype where the model has
+floats) raises the same ``EPInputError``, naming the tensor and the file, on every rank before any
+rank communicates. Values: each rank checks every tensor it reads, as loaded (one reduction a
+tensor, ``TensorReader``); the ranks then share what they found, and a NaN or an Inf anywhere
+raises the same ``EPInputError`` on every rank, naming the first such tensor and its file,
+before ``load_sharded`` returns (before any rank serves).
 
 Expert tensor names: the per-expert format the models' own repositories ship and transformers
 5.x ``save_pretrained`` writes (``…mlp.experts.{e}.gate_proj.weight``; Mixtral
@@ -30,7 +34,6 @@ scales would be wrong.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +46,7 @@ from torch import nn
 
 from ep_runtime.comm import Comm
 from ep_runtime.eplb import PlacementMap
+from ep_runtime.integrations.meta_model import build_empty_model
 from ep_runtime.integrations.safetensors_index import (
     CheckpointIndex,
     ProgressCallback,
@@ -145,7 +149,7 @@ def plan_load(
     used: set[str] = set()
     dense = []
     for targets, tensor, is_buffer in _model_tensors(model, expert_params):
-        info = _find(index, targets, renames, tuple(tensor.shape))
+        info = _find(index, targets, renames, tensor)
         _refuse_fp8(info)
         dense.append(DenseTensor(info, targets, is_buffer))
         used.add(info.name)
@@ -186,14 +190,15 @@ def _find(
     index: CheckpointIndex,
     targets: tuple[str, ...],
     renames: tuple[tuple[str, str], ...],
-    shape: tuple[int, ...],
+    tensor: torch.Tensor,
 ) -> TensorInfo:
-    """The checkpoint tensor for a model tensor (any of its names, either spelling), checked;
-    where none is there, the error names the first name as the original checkpoints spell it."""
+    """The checkpoint tensor for a model tensor (any of its names, either spelling), checked
+    against its shape and kind of dtype; where none is there, the error names the first name as
+    the original checkpoints spell it."""
     candidates = [c for target in targets for c in checkpoint_names(target, renames)]
     original = checkpoint_names(targets[0], renames)[-1]
     found = next((c for c in candidates if index.get(c) is not None), original)
-    return index.require(found, shape, "a tensor")
+    return index.require(found, tuple(tensor.shape), "a tensor", tensor.is_floating_point())
 
 
 def _refuse_fp8(info: TensorInfo) -> None:
@@ -262,37 +267,6 @@ def _block_experts(
         if expert in local:
             mine[expert] = triple
     return BlockExperts(block_name, mine, None), checked
-
-
-# the model without its weights --------------------------------------------------------------------
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device (shape and dtype, no storage);
-    buffers stay real, so what a module computes at construction (rotary tables) is kept. A
-    parameter exists on the CPU only until it is registered (the supported models create their
-    large ones with ``torch.empty``: no page is touched). Patches ``nn.Module`` for the duration:
-    build nothing else in another thread meanwhile."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def build_empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of ``config``, parameters on the meta device in their load dtypes
-    (transformers' own, e.g. DeepSeek's fp32 routers), buffers on the CPU."""
-    hf = require_transformers()
-    with parameters_on_meta():
-        model = hf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 # reading ------------------------------------------------------------------------------------------
@@ -450,6 +424,7 @@ def load_sharded(
         )
     finally:
         reader.close()
+    _refuse_nonfinite(comm, reader, patch)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left without weights after loading: {left[:5]}")
@@ -470,6 +445,16 @@ def load_sharded(
         ignored=plan.ignored,
     )
     return ShardedModel(model, patch, report)
+
+
+def _refuse_nonfinite(comm: Comm, reader: TensorReader, patch: PatchReport) -> None:
+    """Every rank raises the same error, naming the first tensor (by rank) read with NaN or Inf
+    values, if any rank read one (its EP layers closed first): each rank read only its part."""
+    found = [f for found in comm.all_gather_object(reader.nonfinite) for f in found]
+    if found:
+        for block in patch.blocks:
+            block.module.ep.close()
+        raise found[0].error(others=found[1:])
 
 
 def _bytes_for_rank(info: TensorInfo, plan: LoadPlan) -> int:

@@ -4,7 +4,9 @@ rows of them) one name at a time, counting what it read.
 ``CheckpointIndex.open`` reads only metadata: the index file (``model.safetensors.index.json``)
 and each shard's header (``safe_open`` + ``get_slice(name).get_shape()``), never tensor data.
 ``TensorReader`` reads a tensor with ``get_tensor`` or rows of it with ``get_slice`` and keeps
-at most one shard open, so a rank touches only the bytes of the tensors it asks for.
+at most one shard open, so a rank touches only the bytes of the tensors it asks for. It checks
+every tensor as loaded (after the cast) with one reduction, ``torch.aminmax`` (NaN propagates to
+both ends, an Inf is one of them), and lists those holding NaN or Inf as ``NonFinite``.
 
 Needs the ``safetensors`` package (a dependency of the ``hf`` extra's ``transformers``).
 """
@@ -15,7 +17,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "BOOL": (1, torch.bool),
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"} | FP8_DTYPES)
 
 
 def _safetensors() -> Any:
@@ -71,6 +74,10 @@ class TensorInfo:
     @property
     def is_fp8(self) -> bool:
         return self.dtype in FP8_DTYPES
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,12 @@ class CheckpointIndex:
     def get(self, name: str) -> TensorInfo | None:
         return self.tensors.get(name)
 
-    def require(self, name: str, shape: tuple[int, ...], what: str) -> TensorInfo:
-        """The tensor ``name`` with ``shape``, or the error naming the tensor and its file
-        (``what``: the tensor's role in words, e.g. "expert 3 of 64")."""
+    def require(
+        self, name: str, shape: tuple[int, ...], what: str, floating: bool = True
+    ) -> TensorInfo:
+        """The tensor ``name`` with ``shape``, in a floating-point dtype where ``floating`` (the
+        model's tensor is: an integer cast to it would pass for weights), or the error naming the
+        tensor and its file (``what``: the tensor's role in words, e.g. "expert 3 of 64")."""
         info = self.tensors.get(name)
         if info is None:
             raise EPInputError(
@@ -146,6 +156,12 @@ class CheckpointIndex:
             raise EPInputError(
                 f"checkpoint tensor {name} in {info.file}",
                 f"one of the dtypes {', '.join(DTYPES)}",
+                info.dtype,
+            )
+        if floating and not info.is_float:
+            raise EPInputError(
+                f"checkpoint tensor {name} in {info.file}",
+                f"{what} in a floating-point dtype ({', '.join(sorted(FLOAT_DTYPES))})",
                 info.dtype,
             )
         return info
@@ -179,6 +195,62 @@ def _read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
             return header
     except (OSError, safetensors.SafetensorError) as error:
         raise EPInputError(f"checkpoint file {file}", "a safetensors file", repr(error)) from None
+
+
+# values -----------------------------------------------------------------------------------------
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite, in one reduction: its min and max are both
+    finite exactly then (``aminmax`` propagates NaN; an Inf is the max or the min)."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """A tensor read with NaN or Inf values, counted as loaded (after the cast)."""
+
+    name: str
+    file: str
+    nan: int
+    inf: int
+    numel: int
+    dtype: str  # as loaded: "bfloat16", "float32", ...
+    rows: tuple[int, ...]  # the rows (experts of a fused expert tensor) holding them, if rows read
+
+    @staticmethod
+    def count(info: TensorInfo, loaded: torch.Tensor, rows: range | None) -> NonFinite:
+        """Where ``loaded`` (``info``, or rows ``rows`` of it) is not finite (the error path)."""
+        bad_rows = ()
+        if rows is not None:
+            bad = (~torch.isfinite(loaded)).flatten(1).any(1).nonzero().flatten()
+            bad_rows = tuple(rows.start + int(i) for i in bad)
+        return NonFinite(
+            name=info.name,
+            file=str(info.file),
+            nan=int(torch.isnan(loaded).sum()),
+            inf=int(torch.isinf(loaded).sum()),
+            numel=loaded.numel(),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            rows=bad_rows,
+        )
+
+    def error(self, others: Sequence[NonFinite] = ()) -> EPInputError:
+        """The refusal naming the tensor and its file, then ``others`` (further such tensors:
+        their count, the first three by name)."""
+        given = f"{self.nan} NaN and {self.inf} Inf among its {self.numel} values"
+        if self.rows:
+            given += f" (in experts {list(self.rows)})"
+        if others:
+            names = ", ".join(other.name for other in others[:3])
+            given += f"; NaN or Inf in {len(others)} more: {names}" + (
+                ", ..." if len(others) > 3 else ""
+            )
+        return EPInputError(
+            f"checkpoint tensor {self.name} in {self.file}",
+            f"finite values (as loaded in {self.dtype})",
+            given,
+        )
 
 
 # reading ----------------------------------------------------------------------------------------
@@ -233,8 +305,8 @@ class ProgressPrinter:
 
 @dataclass
 class TensorReader:
-    """Reads tensors of ``index`` by name, one shard open at a time; records every read and the
-    time spent reading."""
+    """Reads tensors of ``index`` by name, one shard open at a time; records every read, the
+    time spent reading, and each tensor that holds NaN or Inf as loaded (``nonfinite``)."""
 
     index: CheckpointIndex
     rank: int
@@ -243,7 +315,8 @@ class TensorReader:
     progress: ProgressCallback
     reads: list[TensorRead] = field(default_factory=list)
     bytes_read: int = 0
-    read_s: float = 0.0  # inside the reads: opening shards, reading, casting, copying
+    read_s: float = 0.0  # inside the reads: opening shards, reading, casting, checking, copying
+    nonfinite: list[NonFinite] = field(default_factory=list)
     _started: float = field(default_factory=time.perf_counter)
     _file: Path | None = None
     _handle: Any = None
@@ -253,6 +326,7 @@ class TensorReader:
         what ``get_tensor`` returns maps the file)."""
         started = time.perf_counter()
         value = self._open(info.file).get_tensor(info.name).to(device, dtype, copy=True)
+        self._check(info, value, None)
         self._record(TensorRead(info.name, None, info.nbytes), started)
         return value
 
@@ -268,6 +342,7 @@ class TensorReader:
             out.copy_(handle.get_slice(info.name)[rows.start : rows.stop])
             row_bytes = info.nbytes // info.shape[0]
             read = TensorRead(info.name, (rows.start, rows.stop), row_bytes * len(rows))
+        self._check(info, out, rows)
         self._record(read, started)
 
     def close(self) -> None:
@@ -286,6 +361,10 @@ class TensorReader:
         if self._handle is not None:
             self._handle.__exit__(None, None, None)
         self._handle, self._file = None, None
+
+    def _check(self, info: TensorInfo, loaded: torch.Tensor, rows: range | None) -> None:
+        if not all_finite(loaded):
+            self.nonfinite.append(NonFinite.count(info, loaded, rows))
 
     def _record(self, read: TensorRead, started: float) -> None:
         self.reads.append(read)

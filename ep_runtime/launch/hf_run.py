@@ -110,11 +110,31 @@ def _hf_config(name_or_path: str) -> Any:
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(name_or_path)
+        try:
+            return AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError) as error:
+            reason = " ".join(str(error).split())  # one line
+            raise ValueError(
+                f"--hf-model: expected a checkpoint directory with a transformers config.json, "
+                f"given {name_or_path!r} ({reason})"
+            ) from None
     raise ValueError(
         f"--hf-model: expected one of {', '.join(NAMED_MODELS)} or a local checkpoint "
         f"directory, given {name_or_path!r}"
     )
+
+
+def check_checkpoint(path: str, config: Any, world_size: int) -> None:
+    """What every rank will check of the checkpoint at ``path`` before reading a value, checked
+    here before any rank starts: the index, every shard it names (there, readable, holding its
+    tensors), and every tensor the model needs (name, shape, a float dtype where the model's is;
+    ``plan_load``). Raises ``EPInputError`` naming the file and the tensor."""
+    from ep_runtime.integrations.checkpoint import plan_load
+    from ep_runtime.integrations.meta_model import build_empty_model
+    from ep_runtime.integrations.safetensors_index import CheckpointIndex
+
+    index = CheckpointIndex.open(path)
+    plan_load(build_empty_model(config, torch.float32), index, 0, world_size)
 
 
 def describe_model(name: str, config: Any, tokens_per_rank: int) -> ModelPreset:
@@ -185,6 +205,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             f"--dp: {args.hf_model} has {model.num_experts} experts, "
             f"not divisible by {world_size} ranks"
         )
+    if os.path.isdir(args.hf_model):
+        check_checkpoint(args.hf_model, config, world_size)
     workload = HFWorkload(
         hf_model=args.hf_model,
         model=model,

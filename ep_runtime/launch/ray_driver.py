@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import ray
 import torch.distributed as dist
@@ -122,6 +122,25 @@ class _TokenAuthOnNotice(logging.Filter):
         return not record.getMessage().startswith("Token authentication is enabled")
 
 
+@contextlib.contextmanager
+def node_on_loopback() -> Iterator[None]:
+    """A cluster started inside runs on 127.0.0.1, as Ray runs one on macOS and Windows: Ray
+    gives a node on a loopback address loopback-only services (its gRPC servers, the agents'
+    HTTP and metrics ports, the metrics of the autoscaler monitor and the dashboard process),
+    but on Linux it maps ``_node_ip_address="127.0.0.1"`` back to the machine's address unless
+    its switch for clusters beyond one machine is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``,
+    read once, at import, into ``ray_constants.ENABLE_RAY_CLUSTER``). Turned off for the start
+    only: a driver joining a cluster needs its real address."""
+    from ray._private import ray_constants
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
 class RaySession:
     """Connect to a cluster, or start a private local one that ``close`` fully removes."""
 
@@ -139,20 +158,22 @@ class RaySession:
                 # stay under the 107-byte limit, and everything is removed at the end
                 self.temp_dir = tempfile.mkdtemp(prefix="epray_", dir="/tmp")
                 self.owns_cluster = True
-                # Ray's services listen on every interface whatever it is told (it maps a
-                # loopback node address back to the machine's); its token guards them, on by
-                # default for a local cluster since Ray 2.59 (RAY_AUTH_MODE=disabled: off)
+                # every service of the cluster on loopback (``node_on_loopback``), and Ray's
+                # token on them, on by default for a local cluster since Ray 2.59
+                # (RAY_AUTH_MODE=disabled: off)
                 auth_logger = logging.getLogger(_TokenAuthOnNotice.LOGGER)
                 notice = _TokenAuthOnNotice()
                 auth_logger.addFilter(notice)
                 try:
-                    ray.init(
-                        address="local",
-                        include_dashboard=False,
-                        dashboard_host=LOOPBACK,
-                        _temp_dir=self.temp_dir,
-                        logging_level="WARNING",
-                    )
+                    with node_on_loopback():
+                        ray.init(
+                            address="local",
+                            include_dashboard=False,
+                            dashboard_host=LOOPBACK,
+                            _node_ip_address=LOOPBACK,
+                            _temp_dir=self.temp_dir,
+                            logging_level="WARNING",
+                        )
                 finally:
                     auth_logger.removeFilter(notice)
             else:

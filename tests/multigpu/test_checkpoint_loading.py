@@ -1,7 +1,8 @@
 """Sharded checkpoints loaded on real ranks: each rank reads only the dense part and its own
 experts (counted by name against names worked out from the checkpoint alone), generates the
 unpatched model's tokens, stays within dense + E/W experts of resident memory, and a damaged
-checkpoint fails every rank with the same named error before any rank communicates."""
+checkpoint fails every rank with the same named error: before any rank communicates for a fault
+in the metadata, once the ranks have shared what they read for NaN or Inf values."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 
 from ep_runtime.integrations.transformers import build_random_model, random_config
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.checkpoint_files import drop_tensor, expected_reads, reshape_tensor, write_checkpoint
+from tests.checkpoint_files import (
+    drop_tensor,
+    expected_reads,
+    reshape_tensor,
+    set_values,
+    write_checkpoint,
+)
 from tests.hf_oracle import hf_greedy, model_eos, moe_shape, needs_transformers
 from tests.multigpu.checkpoint_cases import (
     group_still_works,
@@ -89,24 +96,29 @@ def test_ranks_read_their_part_and_generate_the_unpatched_tokens(
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("damage", ["missing expert", "wrong shape"])
+@pytest.mark.parametrize("damage", ["missing expert", "wrong shape", "NaN on the last rank"])
 def test_a_damaged_checkpoint_fails_every_rank_with_the_named_error(
     pool_factory, tmp_path: Path, damage: str, world_size: int
 ) -> None:
+    """Metadata faults raise before any collective; a NaN only the last rank reads (only it
+    checks that tensor's values) is shared: every rank raises the same error, still in step."""
     path = write_checkpoint(build_random_model(random_config("qwen3-moe"), seed=SEED), tmp_path)
     name = "model.layers.2.mlp.experts.1.up_proj.weight"  # expert 1: rank 0's at W = 2 and 3
     if damage == "missing expert":
         drop_tensor(path, name)
         where = str(path / "model.safetensors.index.json")
-    else:
+    elif damage == "wrong shape":
         where = str(reshape_tensor(path, name))
+    else:
+        name = "model.layers.2.mlp.experts.11.up_proj.weight"  # the last rank's at W = 2 and 3
+        where = f"{set_values(path, name, float('nan'))}: expected finite values"
     pool = pool_factory(world_size)
     results = pool.run(load_on_rank, str(path), timeout_s=60)
     assert all(isinstance(r, RankFailure) for r in results), results
     assert {r.type_name for r in results} == {"EPInputError"}
     assert len({r.message for r in results}) == 1, [r.message for r in results]
     assert name in results[0].message and where in results[0].message, results[0].message
-    # raised before any collective: the group is still in step
+    # every rank raised at the same point: the group is still in step
     assert pool.run_ok(group_still_works) == [world_size] * world_size
 
 
