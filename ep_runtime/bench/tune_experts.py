@@ -1,6 +1,6 @@
 """Tune the ``triton`` experts' tile configs: ``python -m ep_runtime.bench.tune_experts``.
 
-``--quantization fp8_block`` tunes the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``)
+``--quantization fp8_block`` tunes the fp8 block-scale GEMMs (``experts/gemm/expert_gemm_fp8.py``)
 instead, on weights quantized per 128×128 block and rows quantized per 128 columns; their
 entries are keyed apart (prefix ``fp8_``).
 
@@ -11,7 +11,7 @@ point (so a run never writes a slower config) on the device alone (CUDA graphs o
 L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at decode mostly
 times the host's launch), checks the winner against the kernels' torch spec, and
 merges the best per (GEMM, L, N, K, rows-per-expert bucket) into the table shipped in the
-package (``ep_runtime/kernels/expert_tiles.json``), under this GPU's name; token counts sharing
+package (``ep_runtime/experts/gemm/expert_tiles.json``), under this GPU's name; token counts sharing
 a bucket get the config best over all of them. One CUDA GPU.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ep_runtime.bench.timing import device_ms
-from ep_runtime.kernels.expert_tiles import (
+from ep_runtime.experts.gemm.expert_tiles import (
     TileConfig,
     parse_table,
     rows_bucket,
@@ -207,7 +207,7 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
 
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     """Weights, rows, routing and the sorted pairs of one (shape, T)."""
-    from ep_runtime.kernels import expert_rows
+    from ep_runtime.experts.gemm import expert_rows
 
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_local, shape.hidden, shape.intermediate
@@ -225,7 +225,7 @@ def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
 
 def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     """``{gemm: (run(config), result(), spec result, rows compared)}`` for one (shape, T)."""
-    from ep_runtime.kernels import expert_gemm, expert_gemm_fp8
+    from ep_runtime.experts.gemm import expert_gemm, expert_gemm_fp8
 
     w13, w2, x, _, weights, pairs, offsets = problem(shape, tokens, device)
     num_pairs, k = pairs.numel(), shape.top_k

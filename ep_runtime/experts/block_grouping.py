@@ -1,6 +1,6 @@
 """A forward's dispatched rows in one padded block per local expert, as the block-scaled fp8
 GEMMs take them (``scaled_mm``: cuBLAS per expert; ``deepgemm``: one m-grouped GEMM). The row
-kernels and their torch specs are ``kernels/block_rows.py``; this is the order the backends
+kernels and their torch specs are ``experts/gemm/block_rows.py``; this is the order the backends
 share: ``q(x)``, STANDARD's pairs sorted by expert, the block starts, the rows and their scales
 copied into the blocks."""
 
@@ -18,7 +18,7 @@ from ep_runtime.quantization import BLOCK, FP8_DTYPE
 from ep_runtime.types import Dispatched, TopkLayout
 
 if TYPE_CHECKING:  # the kernels import triton: only a backend that runs them loads them
-    from ep_runtime.kernels.block_rows import BlockLayout
+    from ep_runtime.experts.gemm.block_rows import BlockLayout
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class BlockGrouping:
         *,
         with_ends: bool,
     ) -> None:
-        from ep_runtime.kernels import block_rows, expert_rows
+        from ep_runtime.experts.gemm import block_rows, expert_rows
 
         self.layout = layout
         self._rows = block_rows

@@ -8,7 +8,7 @@ nothing on the host (it may be captured in a CUDA graph) and issues two GEMMs ho
 there are, where ``scaled_mm`` reads the row counts on the host, then issues a cuBLAS call per
 expert and GEMM.
 
-A forward (row kernels in ``kernels/block_rows.py``, layout ``DEEPGEMM``; the order in
+A forward (row kernels in ``experts/gemm/block_rows.py``, layout ``DEEPGEMM``; the order in
 ``experts/block_grouping.py``): ``q(x)`` as dispatched or quantized here; STANDARD's pairs sorted
 by expert; the rows copied into their expert's block, scales as one ``[P, H/128]`` matrix with
 the row index fastest; GEMM1 over all blocks; the activation, the contract's quantizer and the
@@ -119,7 +119,8 @@ class DeepGemmExperts(Experts):
         super().__init__(setup)
         import deep_gemm
 
-        from ep_runtime.kernels import block_rows, sum_rows
+        from ep_runtime.experts.gemm import block_rows
+        from ep_runtime.kernels import sum_rows
 
         self._grouped_gemm = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
         self._sum = sum_rows

@@ -10,8 +10,8 @@ promise of no sync). ``"auto"`` picks it for exact-mode layers sized for
 the Triton fp8 GEMMs); capacity-mode layers (CUDA graphs) and smaller ones take the Triton
 experts. The choice is per layer: an exact-mode layer without a bound is sized for a prefill.
 
-A forward (kernels in ``kernels/block_rows.py``, layout ``CUBLAS``): ``q(x)`` as dispatched
-or quantized here; STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows
+A forward (kernels in ``experts/gemm/block_rows.py``, layout ``CUBLAS``): ``q(x)`` as dispatched
+or quantized here; STANDARD's pairs sorted by expert (``experts/gemm/expert_rows.py``); the rows
 copied into one padded block per expert with their scales laid out as cuBLAS wants; GEMM1 per
 expert into fp32 (the experts alternating between two streams); the activation, the contract's
 quantizer and the router weight (folded into GEMM2's row scales) in one pass; GEMM2 per expert
@@ -110,8 +110,9 @@ class ScaledMMExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import block_rows, sum_rows
-        from ep_runtime.kernels.expert_gemm import nonempty_groups
+        from ep_runtime.experts.gemm import block_rows
+        from ep_runtime.experts.gemm.expert_gemm import nonempty_groups
+        from ep_runtime.kernels import sum_rows
 
         self._nonempty_groups = nonempty_groups
         self._rows = block_rows

@@ -1,13 +1,13 @@
 """Our own fused Triton experts: two grouped GEMMs over the dispatcher's rows, nothing between.
 
 STANDARD (preferred): the served (row, slot) pairs are sorted by expert as indices only
-(``kernels/expert_rows.py``); GEMM1 gathers each pair's hidden state straight from the received
+(``experts/gemm/expert_rows.py``); GEMM1 gathers each pair's hidden state straight from the received
 rows and applies the activation in its epilogue; GEMM2 applies the router weight in its epilogue
 and writes the pair's row; one fixed-order pass sums each row's slots. EXPANDED: the same GEMMs
 on the dispatcher's grouped rows (GEMM2 writes each row's own result, padding rows zero). Four
 launches (STANDARD) or two (EXPANDED), fp32 math, one rounding per step, no atomics.
 
-Tile configs come from the tuned table shipped in the package (``kernels/expert_tiles.json``,
+Tile configs come from the tuned table shipped in the package (``experts/gemm/expert_tiles.json``,
 written by ``python -m ep_runtime.bench.tune_experts``) or a heuristic, resolved per rows-per-
 expert bucket once and cached; buffers grow to the largest forward seen and are reused.
 
@@ -16,7 +16,7 @@ On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: slow, fo
 tokens per rank (decode-sized layers).
 
 With fp8 block-scaled weights (``quantization="fp8_block"``) the same four (two) launches run
-the fp8 GEMMs of ``kernels/expert_gemm_fp8.py`` on ``q(x)``: the dispatched e4m3 rows and their
+the fp8 GEMMs of ``experts/gemm/expert_gemm_fp8.py`` on ``q(x)``: the dispatched e4m3 rows and their
 scales as they arrive (fp8 dispatch), else one more launch quantizes the rows first
 (``kernels/fp8_quant.py``). GEMM1's epilogue writes ``q(act)`` for GEMM2; the output is the
 compute dtype.
@@ -39,7 +39,7 @@ from ep_runtime.experts.base import (
     cuda_arch,
     quantized_rows,
 )
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -107,7 +107,7 @@ class TritonExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import (
+        from ep_runtime.experts.gemm import (
             expert_gemm,
             expert_gemm_fp8,
             expert_rows,

@@ -1,4 +1,4 @@
-"""The STANDARD layout's row bookkeeping around the expert GEMMs (``kernels/expert_gemm.py``):
+"""The STANDARD layout's row bookkeeping around the expert GEMMs (``expert_gemm.py``):
 its torch spec and its Triton kernels.
 
 * ``sort_pairs``: the served (row, slot) pairs of ``topk_ids [R, K]`` as ``row·K + slot``,

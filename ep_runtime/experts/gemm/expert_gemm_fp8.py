@@ -1,7 +1,7 @@
 """The fp8 block-scale expert GEMMs of the ``triton`` experts backend: torch spec and Triton.
 
 The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 kernels'
-(``kernels/expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
+(``expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
 
 * ``expert_up_fp8``: ``q(x)`` (e4m3 rows ``[R, H]`` and fp32 scales ``[R, H/128]``) against
   e4m3 ``w13`` with one fp32 ``scale_inv`` per 128×128 block. Each 128-deep k-step's fp32
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ep_runtime.kernels.expert_gemm import activation_spec, nonempty_groups
-from ep_runtime.kernels.expert_tile_parts import (
+from ep_runtime.experts.gemm.expert_gemm import activation_spec, nonempty_groups
+from ep_runtime.experts.gemm.expert_tile_parts import (
     activated,
     column_groups,
     column_step,
@@ -42,7 +42,7 @@ from ep_runtime.kernels.expert_tile_parts import (
     untransposed,
     zero_padding_tiles,
 )
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
 from ep_runtime.kernels.triton_common import INTERPRET, kernel, pow2
 from ep_runtime.quantization import (

@@ -1,5 +1,5 @@
-"""The Triton building blocks both expert GEMMs share (``kernels/expert_gemm.py`` in bf16,
-``kernels/expert_gemm_fp8.py`` in fp8): which tile a program computes and its rows' sources and
+"""The Triton building blocks both expert GEMMs share (``expert_gemm.py`` in bf16,
+``expert_gemm_fp8.py`` in fp8): which tile a program computes and its rows' sources and
 targets, the one loop over a program's column tiles and k-steps, the epilogues (activation,
 router weight, one rounding), and the launch geometry (the static grid's bound on row tiles)."""
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
