@@ -41,6 +41,9 @@ from ep_runtime.experts.base import (
     WorkBuffers,
 )
 from ep_runtime.experts.block_grouping import BlockGrouping
+from ep_runtime.experts.gemm.block_rows import DEEPGEMM
+from ep_runtime.kernels.sum_rows import triton_sum_rows
+from ep_runtime.kernels.triton_common import HAS_TRITON
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -102,7 +105,7 @@ class DeepGemmExperts(Experts):
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
         if importlib.util.find_spec("deep_gemm") is None:
             return "deep_gemm is not installed (DeepGEMM, built from source: docs/deepgemm.md)"
-        if importlib.util.find_spec("triton") is None:
+        if not HAS_TRITON:
             return "triton is not installed (the row kernels around the GEMMs)"
         return _deep_gemm_problem()
 
@@ -119,15 +122,9 @@ class DeepGemmExperts(Experts):
         super().__init__(setup)
         import deep_gemm
 
-        from ep_runtime.experts.gemm import block_rows
-        from ep_runtime.kernels import sum_rows
-
         self._grouped_gemm = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
-        self._sum = sum_rows
         self.buffers = WorkBuffers(setup.device)
-        self._grouping = BlockGrouping(
-            block_rows.DEEPGEMM, self.placement, self.buffers, with_ends=True
-        )
+        self._grouping = BlockGrouping(DEEPGEMM, self.placement, self.buffers, with_ends=True)
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         raise TypeError(f"{self.name} takes fp8 weights (load_quantized_weights)")
@@ -183,4 +180,4 @@ class DeepGemmExperts(Experts):
         self._grouping.activate(grouped, up_out, act, act_scales, gated=self.activation.is_gated)
         down_out = get("y", bound, hidden, BF16)  # [bound, H], weighted rows
         self._gemm(act, act_scales, self.down, grouped.ends, down_out)
-        return self._sum.triton_sum_rows(down_out, grouped.positions, out)
+        return triton_sum_rows(down_out, grouped.positions, out)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton.language as tl
 
 from ep_runtime.experts.gemm.expert_tile_parts import (
     column_groups,
@@ -44,7 +43,7 @@ from ep_runtime.experts.gemm.expert_tile_parts import (
     zero_padding_tiles,
 )
 from ep_runtime.experts.gemm.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import kernel, pow2
+from ep_runtime.kernels.triton_common import kernel, pow2, tl
 
 # --------------------------------------------------------------------------- torch spec
 

@@ -22,9 +22,6 @@ Deterministic (fixed order, no atomics), static grid, nothing read on the host.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ep_runtime.experts.gemm.expert_gemm import activation_spec, nonempty_groups
 from ep_runtime.experts.gemm.expert_tile_parts import (
@@ -44,7 +41,7 @@ from ep_runtime.experts.gemm.expert_tile_parts import (
 )
 from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, kernel, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, TensorDescriptor, jit, kernel, pow2, tl
 from ep_runtime.quantization import (
     BLOCK,
     dequantize_activations,
@@ -108,7 +105,7 @@ def expert_down_fp8_spec(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit
+@jit
 def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
     """``acc += (a · b) · scale`` for one 128-deep k-step: ``a [BM, BK]`` e4m3 rows, ``b [BK,
     BN]`` e4m3 columns of one weight block, ``scale [BM]`` each row's activation scale times the
@@ -127,7 +124,7 @@ def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
     return acc
 
 
-@triton.jit
+@jit
 def _row_step(a_rows, a_desc, a_row, a_scales, ok_m, k_step, BK: tl.constexpr, TMA: tl.constexpr):
     """One k-step of the rows: e4m3 codes ``[BM, BK]`` and their scales ``[BM]``. TMA: the codes
     of contiguous rows from ``a_row`` on through the descriptor (rows past ``ok_m`` are loaded
@@ -139,7 +136,7 @@ def _row_step(a_rows, a_desc, a_row, a_scales, ok_m, k_step, BK: tl.constexpr, T
     return a, tl.load(a_scales + k_step, mask=ok_m, other=0.0)
 
 
-@triton.jit
+@jit
 def _weight_step(w_tile, w_desc, w_row, ok_n, k_step, BK: tl.constexpr, TMA: tl.constexpr):
     """One k-step of a weight tile, e4m3 ``[BK, BN]``: through the descriptor of the ``[L·N, K]``
     weights from row ``w_row`` (loaded ``[BN, BK]``, used transposed), else from ``w_tile``
@@ -151,7 +148,7 @@ def _weight_step(w_tile, w_desc, w_row, ok_n, k_step, BK: tl.constexpr, TMA: tl.
     return w
 
 
-@triton.jit
+@jit
 def _store_quantized_tile(
     out,
     outs,

@@ -14,9 +14,8 @@ Both are deterministic (no atomics) and read nothing on the host.
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 
-from ep_runtime.kernels.triton_common import cdiv, kernel, pow2
+from ep_runtime.kernels.triton_common import cdiv, kernel, pow2, tl
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 MAX_SORT_BLOCK = 16384  # pairs one program scans per step (each step waits on two reductions)

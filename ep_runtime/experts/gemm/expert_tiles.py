@@ -53,6 +53,15 @@ class TileConfig:
         return TileConfig(**entry)
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """The configs of one forward's two GEMMs: ``up`` (GEMM1, ``w13``) and ``down`` (GEMM2,
+    ``w2``)."""
+
+    up: TileConfig
+    down: TileConfig
+
+
 def rows_bucket(rows: int, num_local: int) -> Fraction:
     """The power of two at or above the mean rows per expert ``rows / num_local`` (a fraction
     ``1/2^j`` when there are fewer rows than experts; no rows count as one)."""
