@@ -54,6 +54,37 @@ def reference_moe(
     which bounds the error of any computation of the sum (tolerance.py) even where it cancels.
     ``gemm_input``: applied to each GEMM's input, the result cast back to ``accumulate_dtype``
     (``quantization.fake_quantize_activations`` with dequantized weights: the fp8 contract).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[T, H]``, any float dtype: the tokens' hidden states.
+    topk_ids : torch.Tensor
+        ``[T, K]`` int: the global expert id of each slot, -1 for an unused slot.
+    topk_weights : torch.Tensor
+        ``[T, K]`` float: the router weight of each slot (never read on -1 slots).
+    w13 : torch.Tensor
+        ``[E, 2I, H]`` (``"silu"``: rows ``[gate; up]``) or ``[E, I, H]`` (``"relu2"``), any
+        float dtype: each expert's first GEMM.
+    w2 : torch.Tensor
+        ``[E, H, I]``, any float dtype: each expert's second GEMM.
+    activation : str, default ``"silu"``
+        ``"silu"`` (``silu(gate) · up``) or ``"relu2"`` (``relu(h)²``); an ``Activation``
+        member is taken by its value.
+    accumulate_dtype : torch.dtype, default torch.float64
+        The dtype every product and sum is computed in.
+    return_scale : bool, default False
+        Also return the size of the summed terms (above).
+    gemm_input : callable, optional
+        ``rows [N, D] → rows [N, D]``, applied to each GEMM's input rows; None: none.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[T, H]`` float32, on ``x``'s device: each token's weighted sum of its experts'
+        outputs (zero for a token with no used slot).
+    scale : torch.Tensor
+        ``[T]`` float64, only with ``return_scale``: ``Σ_k |w[t,k]| · ‖FFN_{ids[t,k]}(x[t])‖``.
     """
     activation = getattr(activation, "value", activation)
     acc = accumulate_dtype

@@ -41,6 +41,49 @@ def route(
     (groups ranked by their two best scores' sum; ``group_scoring="max"``: by their best,
     DeepSeek-V2's softmax group-limited routing).
     ``EPMoE`` takes logical ids and maps them to its replicas itself (docs/eplb.md).
+
+    Parameters
+    ----------
+    router_logits : torch.Tensor
+        ``[T, E]``, any float dtype: the router's logits, one row per token (scored in fp32).
+    top_k : int
+        Experts per token, in ``[1, E]``.
+    scoring : Scoring or str, default ``"softmax"``
+        ``"softmax"`` over each row, or ``"sigmoid"`` per logit.
+    renormalize : bool, default True
+        Divide each token's ``top_k`` weights by their sum.
+    correction_bias : torch.Tensor, optional
+        ``[E]`` float, added to the scores for the selection only (DeepSeek-V3's
+        ``e_score_correction_bias``); the weights are the unbiased scores.
+    num_expert_groups : int, optional
+        Split the ``E`` experts into this many equal groups (a divisor of ``E``) and select
+        only within the best ``num_topk_groups`` of them; None: no groups.
+    num_topk_groups : int, optional
+        Groups kept per token, in ``[1, num_expert_groups]``, holding at least ``top_k``
+        experts; required with ``num_expert_groups``.
+    group_scoring : GroupScoring or str, default ``"top2_sum"``
+        How the groups are ranked: the sum of a group's two best scores, or its best
+        (``"max"``).
+    routed_scaling_factor : float, default 1.0
+        Multiplies the weights after any renormalisation (DeepSeek-V3: 2.5).
+    logical_to_physical : torch.Tensor, optional
+        ``[E]`` int: maps each selected logical id to a physical slot, applied last (a
+        standalone EPLB map; not for ``EPMoE``, which maps its own).
+
+    Returns
+    -------
+    topk_ids : torch.Tensor
+        ``[T, top_k]`` int32: the selected expert ids per token, highest selection score
+        (bias included) first; physical slots where ``logical_to_physical`` was given.
+    topk_weights : torch.Tensor
+        ``[T, top_k]`` float32: the router weight of each selected expert.
+
+    Raises
+    ------
+    EPInputError
+        A logits tensor that is not 2-D, ``top_k`` outside ``[1, E]``, an unknown ``scoring``
+        or ``group_scoring``, a bias or map not of shape ``[E]``, or group settings that do
+        not fit ``E`` and ``top_k``.
     """
     if router_logits.dim() != 2:
         raise EPInputError("router_logits", "a 2-D [T, E] tensor", list(router_logits.shape))

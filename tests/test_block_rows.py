@@ -1,4 +1,4 @@
-"""The row kernels around the block-scaled fp8 GEMMs (``kernels/block_rows.py``) against their
+"""The row kernels around the block-scaled fp8 GEMMs (``experts/gemm/block_rows.py``) against their
 torch specs and hand counts, in both block layouts (cuBLAS's per-block scales, DeepGEMM's one
 scale matrix). On CPU they run under Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``); on a GPU, compiled."""
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # in case conftest did not run first
 pytest.importorskip("triton", reason="triton is not installed")
 
-from ep_runtime.kernels import block_rows
+from ep_runtime.experts.gemm import block_rows
 from ep_runtime.quantization import BLOCK
 from tests.test_fp8_triton import H, I, assert_neighbouring_codes, gemm_problem, on_device
 

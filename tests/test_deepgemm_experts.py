@@ -28,7 +28,7 @@ from ep_runtime.experts import EXPERTS
 from ep_runtime.experts import deepgemm as deepgemm_module
 from ep_runtime.experts.base import ExpertsSetup
 from ep_runtime.experts.deepgemm import DeepGemmExperts
-from ep_runtime.kernels import block_rows
+from ep_runtime.experts.gemm import block_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, dequantize_weight_blocks
 from ep_runtime.types import DispatchMode

@@ -1,6 +1,6 @@
 """The fp8 path of the ``triton`` experts backend: the activation quantizer kernel
 (``kernels/fp8_quant.py``) bitwise against the contract's quantizer and the fp64 oracle, the
-fp8 GEMMs (``kernels/expert_gemm_fp8.py``) against their torch specs, and the layer against the
+fp8 GEMMs (``experts/gemm/expert_gemm_fp8.py``) against their torch specs, and the layer against the
 fp64 oracle of the contract (tests/fp8_oracle.py) and the fp8 twin (``experts="reference"``).
 
 On CPU the kernels run under Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``;
@@ -22,8 +22,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from ep_runtime import EPMoE, MoEConfig
-from ep_runtime.kernels import expert_gemm_fp8, expert_rows, fp8_quant
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm import expert_gemm_fp8, expert_rows
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
+from ep_runtime.kernels import fp8_quant
 from ep_runtime.quantization import (
     FP8_DTYPE,
     dequantize_activations,

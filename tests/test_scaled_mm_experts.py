@@ -22,9 +22,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.experts.base import ExpertsSetup
+from ep_runtime.experts.gemm import block_rows
 from ep_runtime.experts.scaled_mm import ScaledMMExperts
 from ep_runtime.experts.triton import TritonExperts
-from ep_runtime.kernels import block_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import (
     BLOCK,

@@ -1,5 +1,5 @@
-"""The ``triton`` experts backend: its kernels (``kernels/expert_gemm.py``,
-``kernels/expert_rows.py``) against their torch specs over odd shapes, and the layer on them
+"""The ``triton`` experts backend: its kernels (``experts/gemm/expert_gemm.py``,
+``experts/gemm/expert_rows.py``) against their torch specs over odd shapes, and the layer on them
 against ``reference_moe``.
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -23,9 +23,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from ep_runtime import EPMoE, MoEConfig, reference_moe
 from ep_runtime.experts.base import ExpertsSetup
+from ep_runtime.experts.gemm import expert_gemm, expert_rows, expert_tiles
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.experts.triton import TritonExperts
-from ep_runtime.kernels import expert_gemm, expert_rows, expert_tiles
-from ep_runtime.kernels.expert_tiles import TileConfig
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -233,7 +233,7 @@ def test_auto_never_picks_the_interpreter_and_cpu_needs_it(monkeypatch) -> None:
 def test_rows_buckets_by_hand() -> None:
     from fractions import Fraction
 
-    from ep_runtime.kernels.expert_tiles import rows_bucket
+    from ep_runtime.experts.gemm.expert_tiles import rows_bucket
 
     # (rows, local experts) -> the power of two at or above rows / experts
     cases = {
@@ -275,7 +275,7 @@ def test_nearest_bucket_serves_shapes_without_their_own(monkeypatch) -> None:
 def test_shipped_tile_table_is_valid() -> None:
     import json
 
-    from ep_runtime.kernels.expert_tiles import parse_table, table_path
+    from ep_runtime.experts.gemm.expert_tiles import parse_table, table_path
 
     document = json.loads(table_path().read_text())
     devices = parse_table(document)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ep_runtime.bench.tune_experts import SHAPES, gemm_key, merge, shared_best
-from ep_runtime.kernels.expert_tiles import TileConfig, parse_table
+from ep_runtime.experts.gemm.expert_tiles import TileConfig, parse_table
 
 A = {"block_m": 16, "block_n": 64}
 B = {"block_m": 16, "block_n": 128}

@@ -1,6 +1,6 @@
 """Tune the ``triton`` experts' tile configs: ``python -m ep_runtime.bench.tune_experts``.
 
-``--quantization fp8_block`` tunes the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``)
+``--quantization fp8_block`` tunes the fp8 block-scale GEMMs (``experts/gemm/expert_gemm_fp8.py``)
 instead, on weights quantized per 128×128 block and rows quantized per 128 columns; their
 entries are keyed apart (prefix ``fp8_``).
 
@@ -11,7 +11,7 @@ point (so a run never writes a slower config) on the device alone (CUDA graphs o
 L2 evicted before each: ``bench.timing.device_ms``; an event-timed single call at decode mostly
 times the host's launch), checks the winner against the kernels' torch spec, and
 merges the best per (GEMM, L, N, K, rows-per-expert bucket) into the table shipped in the
-package (``ep_runtime/kernels/expert_tiles.json``), under this GPU's name; token counts sharing
+package (``ep_runtime/experts/gemm/expert_tiles.json``), under this GPU's name; token counts sharing
 a bucket get the config best over all of them. One CUDA GPU.
 """
 
@@ -28,7 +28,20 @@ from pathlib import Path
 import torch
 
 from ep_runtime.bench.timing import device_ms
-from ep_runtime.kernels.expert_tiles import (
+from ep_runtime.experts.gemm.expert_gemm import (
+    expert_down,
+    expert_down_spec,
+    expert_up,
+    expert_up_spec,
+)
+from ep_runtime.experts.gemm.expert_gemm_fp8 import (
+    expert_down_fp8,
+    expert_down_fp8_spec,
+    expert_up_fp8,
+    expert_up_fp8_spec,
+)
+from ep_runtime.experts.gemm.expert_rows import sort_pairs
+from ep_runtime.experts.gemm.expert_tiles import (
     TileConfig,
     parse_table,
     rows_bucket,
@@ -207,8 +220,6 @@ def fp8_candidates(bucket: Fraction, gemm: str) -> list[TileConfig]:
 
 def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     """Weights, rows, routing and the sorted pairs of one (shape, T)."""
-    from ep_runtime.kernels import expert_rows
-
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_local, shape.hidden, shape.intermediate
     w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(BF16)
@@ -219,37 +230,29 @@ def problem(shape: Shape, tokens: int, device: torch.device, seed: int = 0):
     weights = torch.rand(tokens, shape.top_k, device=device, generator=g)
     pairs = torch.empty(tokens * shape.top_k, dtype=torch.int32, device=device)
     offsets = torch.empty(e + 1, dtype=torch.int32, device=device)
-    expert_rows.sort_pairs(ids, pairs, offsets, local_offset=0, num_local=e)
+    sort_pairs(ids, pairs, offsets, local_offset=0, num_local=e)
     return w13, w2, x, ids, weights, pairs, offsets
 
 
 def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     """``{gemm: (run(config), result(), spec result, rows compared)}`` for one (shape, T)."""
-    from ep_runtime.kernels import expert_gemm, expert_gemm_fp8
-
     w13, w2, x, _, weights, pairs, offsets = problem(shape, tokens, device)
     num_pairs, k = pairs.numel(), shape.top_k
     served = pairs[: int(offsets[-1])].long()
     per_pair = torch.empty(num_pairs, shape.hidden, dtype=BF16, device=device)
     if not fp8:
         act = torch.empty(num_pairs, shape.intermediate, dtype=BF16, device=device)
-        up_spec = expert_gemm.expert_up_spec(x, w13, offsets, pairs, top_k=k, gated=True)
-        down_spec = expert_gemm.expert_down_spec(
-            up_spec, w2, offsets, pairs, weights, num_out=num_pairs
-        )
+        up_spec = expert_up_spec(x, w13, offsets, pairs, top_k=k, gated=True)
+        down_spec = expert_down_spec(up_spec, w2, offsets, pairs, weights, num_out=num_pairs)
         return {
             "up": (
-                lambda c: expert_gemm.expert_up(
-                    x, w13, offsets, pairs, act, top_k=k, gated=True, config=c
-                ),
+                lambda c: expert_up(x, w13, offsets, pairs, act, top_k=k, gated=True, config=c),
                 lambda: act,
                 up_spec,
                 slice(0, num_pairs),
             ),
             "down": (
-                lambda c: expert_gemm.expert_down(
-                    up_spec, w2, offsets, pairs, weights, per_pair, config=c
-                ),
+                lambda c: expert_down(up_spec, w2, offsets, pairs, weights, per_pair, config=c),
                 lambda: per_pair,
                 down_spec,
                 served,
@@ -259,15 +262,13 @@ def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
     x_q, x_s = quantize_activations(x)
     act_q = torch.empty(num_pairs, shape.intermediate, dtype=FP8_DTYPE, device=device)
     act_s = torch.empty(num_pairs, shape.intermediate // 128, device=device)
-    spec_q, spec_s = expert_gemm_fp8.expert_up_fp8_spec(
-        x_q, x_s, q13, s13, offsets, pairs, top_k=k, gated=True
-    )
-    down_spec = expert_gemm_fp8.expert_down_fp8_spec(
+    spec_q, spec_s = expert_up_fp8_spec(x_q, x_s, q13, s13, offsets, pairs, top_k=k, gated=True)
+    down_spec = expert_down_fp8_spec(
         spec_q, spec_s, q2, s2, offsets, pairs, weights, num_out=num_pairs, dtype=BF16
     )
     return {
         "up": (
-            lambda c: expert_gemm_fp8.expert_up_fp8(
+            lambda c: expert_up_fp8(
                 x_q, x_s, q13, s13, offsets, pairs, act_q, act_s, top_k=k, gated=True, config=c
             ),
             lambda: dequantize_activations(act_q, act_s),
@@ -275,7 +276,7 @@ def _runs(shape: Shape, tokens: int, device: torch.device, fp8: bool):
             slice(0, num_pairs),
         ),
         "down": (
-            lambda c: expert_gemm_fp8.expert_down_fp8(
+            lambda c: expert_down_fp8(
                 spec_q, spec_s, q2, s2, offsets, pairs, weights, per_pair, config=c
             ),
             lambda: per_pair,

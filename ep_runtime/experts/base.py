@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from ep_runtime.config import MoEConfig
+from ep_runtime.kernels.fp8_quant import triton_quantize_rows
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.registry import Registry
@@ -174,8 +175,6 @@ def quantized_rows(
     hidden = dispatched.hidden_states
     if dispatched.hidden_states_scale is not None:
         return hidden, dispatched.hidden_states_scale
-    from ep_runtime.kernels.fp8_quant import triton_quantize_rows
-
     rows, width = hidden.shape
     q = buffers.get("x_q", rows, width, FP8_DTYPE)
     return triton_quantize_rows(hidden, q, buffers.get("x_s", rows, width // BLOCK, torch.float32))

@@ -1,6 +1,6 @@
 """A forward's dispatched rows in one padded block per local expert, as the block-scaled fp8
 GEMMs take them (``scaled_mm``: cuBLAS per expert; ``deepgemm``: one m-grouped GEMM). The row
-kernels and their torch specs are ``kernels/block_rows.py``; this is the order the backends
+kernels and their torch specs are ``experts/gemm/block_rows.py``; this is the order the backends
 share: ``q(x)``, STANDARD's pairs sorted by expert, the block starts, the rows and their scales
 copied into the blocks."""
 
@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ep_runtime.experts.base import WorkBuffers, quantized_rows
+from ep_runtime.experts.gemm.block_rows import (
+    BlockLayout,
+    activate_rows,
+    group_rows,
+    max_block_rows,
+    pad_offsets,
+)
+from ep_runtime.experts.gemm.expert_rows import sort_pairs
 from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import BLOCK, FP8_DTYPE
 from ep_runtime.types import Dispatched, TopkLayout
-
-if TYPE_CHECKING:  # the kernels import triton: only a backend that runs them loads them
-    from ep_runtime.kernels.block_rows import BlockLayout
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,7 @@ class BlockGrouping:
         *,
         with_ends: bool,
     ) -> None:
-        from ep_runtime.kernels import block_rows, expert_rows
-
         self.layout = layout
-        self._rows = block_rows
-        self._sort = expert_rows
         self.local_offset = placement.local_expert_offset
         self.num_local = placement.num_local_experts
         self.buffers = buffers
@@ -62,7 +62,7 @@ class BlockGrouping:
         self._ends = self._offsets.new_zeros(self.num_local) if with_ends else None
 
     def max_block_rows(self, num_grouped: int) -> int:
-        return self._rows.max_block_rows(num_grouped, self.num_local, self.layout)
+        return max_block_rows(num_grouped, self.num_local, self.layout)
 
     def group(
         self,
@@ -81,14 +81,14 @@ class BlockGrouping:
             top_k = dispatched.topk_ids.size(1)
             pairs = get("pairs", num_rows * top_k, 1, torch.int32).view(-1)  # [R·K]
             offsets = self._offsets
-            self._sort.sort_pairs(
+            sort_pairs(
                 dispatched.topk_ids,
                 pairs,
                 offsets,
                 local_offset=self.local_offset,
                 num_local=self.num_local,
             )
-        padded = self._rows.pad_offsets(offsets, self._padded, self.layout, self._ends)
+        padded = pad_offsets(offsets, self._padded, self.layout, self._ends)
         if on_block_starts is not None:
             on_block_starts(padded)
         bound = self.max_block_rows(num_rows * top_k)
@@ -97,7 +97,7 @@ class BlockGrouping:
         row_scales = get("row_scales", scale_floats, 1, torch.float32).view(-1)
         pair_of = get("pair_of", bound, 1, torch.int32).view(-1)
         positions = get("positions", num_rows * top_k, 1, torch.int32).view(-1)
-        self._rows.group_rows(
+        group_rows(
             x_q, x_s, pairs, offsets, padded, rows, row_scales, pair_of, positions, self.layout,
             top_k=top_k,
         )  # fmt: skip
@@ -124,7 +124,7 @@ class BlockGrouping:
         gated: bool,
     ) -> None:
         """``q(act(GEMM1))`` with the router weight folded into its scales."""
-        self._rows.activate_rows(
+        activate_rows(
             up_out, grouped.pair_of, grouped.weights, grouped.padded, act, act_scales,
             self.layout, top_k=grouped.top_k, gated=gated, sorted_pairs=grouped.sorted_pairs,
         )  # fmt: skip

@@ -8,7 +8,7 @@ nothing on the host (it may be captured in a CUDA graph) and issues two GEMMs ho
 there are, where ``scaled_mm`` reads the row counts on the host, then issues a cuBLAS call per
 expert and GEMM.
 
-A forward (row kernels in ``kernels/block_rows.py``, layout ``DEEPGEMM``; the order in
+A forward (row kernels in ``experts/gemm/block_rows.py``, layout ``DEEPGEMM``; the order in
 ``experts/block_grouping.py``): ``q(x)`` as dispatched or quantized here; STANDARD's pairs sorted
 by expert; the rows copied into their expert's block, scales as one ``[P, H/128]`` matrix with
 the row index fastest; GEMM1 over all blocks; the activation, the contract's quantizer and the
@@ -41,6 +41,9 @@ from ep_runtime.experts.base import (
     WorkBuffers,
 )
 from ep_runtime.experts.block_grouping import BlockGrouping
+from ep_runtime.experts.gemm.block_rows import DEEPGEMM
+from ep_runtime.kernels.sum_rows import triton_sum_rows
+from ep_runtime.kernels.triton_common import HAS_TRITON
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -102,7 +105,7 @@ class DeepGemmExperts(Experts):
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
         if importlib.util.find_spec("deep_gemm") is None:
             return "deep_gemm is not installed (DeepGEMM, built from source: docs/deepgemm.md)"
-        if importlib.util.find_spec("triton") is None:
+        if not HAS_TRITON:
             return "triton is not installed (the row kernels around the GEMMs)"
         return _deep_gemm_problem()
 
@@ -119,14 +122,9 @@ class DeepGemmExperts(Experts):
         super().__init__(setup)
         import deep_gemm
 
-        from ep_runtime.kernels import block_rows, sum_rows
-
         self._grouped_gemm = deep_gemm.m_grouped_fp8_gemm_nt_contiguous
-        self._sum = sum_rows
         self.buffers = WorkBuffers(setup.device)
-        self._grouping = BlockGrouping(
-            block_rows.DEEPGEMM, self.placement, self.buffers, with_ends=True
-        )
+        self._grouping = BlockGrouping(DEEPGEMM, self.placement, self.buffers, with_ends=True)
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         raise TypeError(f"{self.name} takes fp8 weights (load_quantized_weights)")
@@ -182,4 +180,4 @@ class DeepGemmExperts(Experts):
         self._grouping.activate(grouped, up_out, act, act_scales, gated=self.activation.is_gated)
         down_out = get("y", bound, hidden, BF16)  # [bound, H], weighted rows
         self._gemm(act, act_scales, self.down, grouped.ends, down_out)
-        return self._sum.triton_sum_rows(down_out, grouped.positions, out)
+        return triton_sum_rows(down_out, grouped.positions, out)

@@ -10,8 +10,8 @@ promise of no sync). ``"auto"`` picks it for exact-mode layers sized for
 the Triton fp8 GEMMs); capacity-mode layers (CUDA graphs) and smaller ones take the Triton
 experts. The choice is per layer: an exact-mode layer without a bound is sized for a prefill.
 
-A forward (kernels in ``kernels/block_rows.py``, layout ``CUBLAS``): ``q(x)`` as dispatched
-or quantized here; STANDARD's pairs sorted by expert (``kernels/expert_rows.py``); the rows
+A forward (kernels in ``experts/gemm/block_rows.py``, layout ``CUBLAS``): ``q(x)`` as dispatched
+or quantized here; STANDARD's pairs sorted by expert (``experts/gemm/expert_rows.py``); the rows
 copied into one padded block per expert with their scales laid out as cuBLAS wants; GEMM1 per
 expert into fp32 (the experts alternating between two streams); the activation, the contract's
 quantizer and the router weight (folded into GEMM2's row scales) in one pass; GEMM2 per expert
@@ -22,7 +22,6 @@ accumulation and activation as the contract says.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +37,10 @@ from ep_runtime.experts.base import (
     WorkBuffers,
 )
 from ep_runtime.experts.block_grouping import BlockGrouping, GroupedRows
+from ep_runtime.experts.gemm.block_rows import CUBLAS, block_scales_view
+from ep_runtime.experts.gemm.expert_gemm import nonempty_groups
+from ep_runtime.kernels.sum_rows import triton_sum_rows
+from ep_runtime.kernels.triton_common import HAS_TRITON
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, DispatchMode, TopkLayout
 
@@ -81,7 +84,7 @@ class ScaledMMExperts(Experts):
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
         if not hasattr(torch, "_scaled_mm"):
             return f"torch {torch.__version__} has no torch._scaled_mm"
-        if importlib.util.find_spec("triton") is None:
+        if not HAS_TRITON:
             return "triton is not installed (the row kernels around the GEMMs)"
         multiple = cls.blocks_multiple * BLOCK
         for name in ("hidden_size", "intermediate_size"):
@@ -110,17 +113,9 @@ class ScaledMMExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import block_rows, sum_rows
-        from ep_runtime.kernels.expert_gemm import nonempty_groups
-
-        self._nonempty_groups = nonempty_groups
-        self._rows = block_rows
-        self._sum = sum_rows
         self.num_local = self.placement.num_local_experts
         self.buffers = WorkBuffers(setup.device)
-        self._grouping = BlockGrouping(
-            block_rows.CUBLAS, self.placement, self.buffers, with_ends=False
-        )
+        self._grouping = BlockGrouping(CUBLAS, self.placement, self.buffers, with_ends=False)
         on_cuda = setup.device.type == "cuda"
         streams = self.gemm_streams if on_cuda else 0
         self._streams = [torch.cuda.Stream(setup.device) for _ in range(streams)]
@@ -168,7 +163,7 @@ class ScaledMMExperts(Experts):
         torch._scaled_mm(
             rows,
             weight[0],
-            scale_a=self._rows.block_scales_view(block_scales, start, start + rows.size(0), groups),
+            scale_a=block_scales_view(block_scales, start, start + rows.size(0), groups),
             scale_b=weight[1],
             out_dtype=out.dtype,
             out=out,
@@ -184,7 +179,7 @@ class ScaledMMExperts(Experts):
         up_out = blocks.up_out.split(sizes)
         act = blocks.act.split(sizes)
         down_out = blocks.down_out.split(sizes)
-        nonempty = self._nonempty_groups(bounds)
+        nonempty = nonempty_groups(bounds)
         with self._side_streams(grouped.rows.device) as take_turn:
             for turn, (expert, start, _) in enumerate(nonempty):
                 take_turn(turn)
@@ -253,4 +248,4 @@ class ScaledMMExperts(Experts):
             down_out=get("y", total, self.config.hidden_size, self.setup.dtype),  # [P', H]
         )
         self._run_experts(blocks, bounds)
-        return self._sum.triton_sum_rows(blocks.down_out, grouped.positions, out)
+        return triton_sum_rows(blocks.down_out, grouped.positions, out)

@@ -1,13 +1,13 @@
 """Our own fused Triton experts: two grouped GEMMs over the dispatcher's rows, nothing between.
 
 STANDARD (preferred): the served (row, slot) pairs are sorted by expert as indices only
-(``kernels/expert_rows.py``); GEMM1 gathers each pair's hidden state straight from the received
+(``experts/gemm/expert_rows.py``); GEMM1 gathers each pair's hidden state straight from the received
 rows and applies the activation in its epilogue; GEMM2 applies the router weight in its epilogue
 and writes the pair's row; one fixed-order pass sums each row's slots. EXPANDED: the same GEMMs
 on the dispatcher's grouped rows (GEMM2 writes each row's own result, padding rows zero). Four
 launches (STANDARD) or two (EXPANDED), fp32 math, one rounding per step, no atomics.
 
-Tile configs come from the tuned table shipped in the package (``kernels/expert_tiles.json``,
+Tile configs come from the tuned table shipped in the package (``experts/gemm/expert_tiles.json``,
 written by ``python -m ep_runtime.bench.tune_experts``) or a heuristic, resolved per rows-per-
 expert bucket once and cached; buffers grow to the largest forward seen and are reused.
 
@@ -16,7 +16,7 @@ On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: slow, fo
 tokens per rank (decode-sized layers).
 
 With fp8 block-scaled weights (``quantization="fp8_block"``) the same four (two) launches run
-the fp8 GEMMs of ``kernels/expert_gemm_fp8.py`` on ``q(x)``: the dispatched e4m3 rows and their
+the fp8 GEMMs of ``experts/gemm/expert_gemm_fp8.py`` on ``q(x)``: the dispatched e4m3 rows and their
 scales as they arrive (fp8 dispatch), else one more launch quantizes the rows first
 (``kernels/fp8_quant.py``). GEMM1's epilogue writes ``q(act)`` for GEMM2; the output is the
 compute dtype.
@@ -24,8 +24,8 @@ compute dtype.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -39,7 +39,11 @@ from ep_runtime.experts.base import (
     cuda_arch,
     quantized_rows,
 )
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm.expert_gemm import expert_down, expert_up
+from ep_runtime.experts.gemm.expert_gemm_fp8 import expert_down_fp8, expert_up_fp8
+from ep_runtime.experts.gemm.expert_rows import sort_pairs, sum_slots
+from ep_runtime.experts.gemm.expert_tiles import GemmTiles, TileConfig, rows_bucket, select
+from ep_runtime.kernels.triton_common import HAS_TRITON
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Fp8BlockWeights, Quantization
 from ep_runtime.types import Activation, Dispatched, TopkLayout
 
@@ -79,7 +83,7 @@ class TritonExperts(Experts):
     def unavailable_reason(cls, setup: ExpertsSetup) -> str | None:
         if setup.device.type == "cpu" and not interpreting():
             return f"runs on CPU only under Triton's interpreter ({INTERPRET_ENV}=1)"
-        if importlib.util.find_spec("triton") is None:
+        if not HAS_TRITON:
             return "triton is not installed"
         arch = cuda_arch(setup.device)
         if arch is not None and arch < 80:
@@ -108,18 +112,7 @@ class TritonExperts(Experts):
 
     def __init__(self, setup: ExpertsSetup) -> None:
         super().__init__(setup)
-        from ep_runtime.kernels import (
-            expert_gemm,
-            expert_gemm_fp8,
-            expert_rows,
-            expert_tiles,
-        )
-
-        self._gemm = expert_gemm
-        self._gemm_fp8 = expert_gemm_fp8
         self.fp8: Fp8BlockWeights | None = None
-        self._rows = expert_rows
-        self._tiles = expert_tiles
         self.gated = self.activation.is_gated
         self.num_local = self.placement.num_local_experts
         self.local_offset = self.placement.local_expert_offset
@@ -128,7 +121,7 @@ class TritonExperts(Experts):
         device = setup.device
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.interpret = device.type == "cpu"
-        self._configs: dict[int, tuple] = {}  # rows-per-expert bucket -> (up, down) configs
+        self._configs: dict[Fraction, GemmTiles] = {}  # by rows-per-expert bucket
         self.buffers = WorkBuffers(device)
         self._offsets = torch.zeros(self.num_local + 1, dtype=torch.int32, device=device)
 
@@ -161,36 +154,22 @@ class TritonExperts(Experts):
     def release_workspace(self) -> None:
         self.buffers.clear()
 
-    def _tile_configs(self, served_pairs: int) -> tuple:
-        """(up, down) tile configs for about ``served_pairs`` grouped rows (cached per bucket)."""
-        bucket = self._tiles.rows_bucket(served_pairs, self.num_local)
+    def _tile_configs(self, served_pairs: int) -> GemmTiles:
+        """The two GEMMs' tile configs for about ``served_pairs`` grouped rows (cached per
+        rows-per-expert bucket)."""
+        bucket = rows_bucket(served_pairs, self.num_local)
         configs = self._configs.get(bucket)
         if configs is None:
-            select = self._tiles.select
-            common = {
-                "rows": served_pairs,
-                "fp8": self.fp8 is not None,
-                "interpret": self.interpret,
-            }
-            configs = (
-                select(
-                    self.device_name,
-                    "up",
-                    self.num_local,
-                    self.intermediate,
-                    self.hidden,
-                    self.gated,
-                    **common,
-                ),
-                select(
-                    self.device_name,
-                    "down",
-                    self.num_local,
-                    self.hidden,
-                    self.intermediate,
-                    False,
-                    **common,
-                ),
+
+            def pick(gemm: str, n: int, k: int, gated: bool) -> TileConfig:
+                return select(
+                    self.device_name, gemm, self.num_local, n, k, gated, served_pairs,
+                    fp8=self.fp8 is not None, interpret=self.interpret,
+                )  # fmt: skip
+
+            configs = GemmTiles(
+                up=pick("up", self.intermediate, self.hidden, self.gated),
+                down=pick("down", self.hidden, self.intermediate, False),
             )
             self._configs[bucket] = configs
         return configs
@@ -208,7 +187,7 @@ class TritonExperts(Experts):
         scales [P, I/128] fp32)`` (fp8 path)."""
         if self.fp8 is None:
             act = self.buffers.get("act", num_grouped, self.intermediate, self.setup.dtype)
-            return self._gemm.expert_up(
+            return expert_up(
                 dispatched.hidden_states,
                 self.w13,
                 offsets,
@@ -222,7 +201,7 @@ class TritonExperts(Experts):
         act_s = self.buffers.get("act_s", num_grouped, self.intermediate // BLOCK, torch.float32)
         x_q, x_s = quantized_rows(dispatched, self.buffers)
         w = self.fp8
-        return self._gemm_fp8.expert_up_fp8(
+        return expert_up_fp8(
             x_q,
             x_s,
             w.w13,
@@ -247,9 +226,9 @@ class TritonExperts(Experts):
     ) -> torch.Tensor:
         """GEMM2 with the router weight in its epilogue, into ``out``."""
         if self.fp8 is None:
-            return self._gemm.expert_down(act, self.w2, offsets, pairs, weights, out, config=config)
+            return expert_down(act, self.w2, offsets, pairs, weights, out, config=config)
         w = self.fp8
-        return self._gemm_fp8.expert_down_fp8(
+        return expert_down_fp8(
             *act, w.w2, w.w2_scale_inv, offsets, pairs, weights, out, config=config
         )
 
@@ -263,23 +242,22 @@ class TritonExperts(Experts):
         if dispatched.layout is TopkLayout.EXPANDED:
             assert dispatched.expert_offsets is not None
             offsets = dispatched.expert_offsets
-            up, down = self._tile_configs(num_rows)
-            act = self._up(dispatched, offsets, None, num_rows, 1, up)
-            return self._down(act, offsets, None, dispatched.topk_weights, out, down)
+            tiles = self._tile_configs(num_rows)
+            act = self._up(dispatched, offsets, None, num_rows, 1, tiles.up)
+            return self._down(act, offsets, None, dispatched.topk_weights, out, tiles.down)
         ids = dispatched.topk_ids  # [R, K]
         top_k = ids.size(1)
         num_pairs = num_rows * top_k
         pairs = self.buffers.get("pairs", num_pairs, 1, torch.int32).view(-1)  # [R·K]
-        rows = self._rows
-        rows.sort_pairs(
+        sort_pairs(
             ids, pairs, self._offsets, local_offset=self.local_offset, num_local=self.num_local
         )
         # served pairs per row: K at world size 1, about K·L/E where L of E experts are local
         served = num_rows * max(1, min(top_k, top_k * self.num_local // self.placement.num_experts))
-        up, down = self._tile_configs(served)
-        act = self._up(dispatched, self._offsets, pairs, num_pairs, top_k, up)  # [R·K, I]
+        tiles = self._tile_configs(served)
+        act = self._up(dispatched, self._offsets, pairs, num_pairs, top_k, tiles.up)  # [R·K, I]
         per_pair = self.buffers.get("per_pair", num_pairs, self.hidden, dtype)  # [R·K, H]
-        self._down(act, self._offsets, pairs, dispatched.topk_weights, per_pair, down)
-        return rows.sum_slots(
+        self._down(act, self._offsets, pairs, dispatched.topk_weights, per_pair, tiles.down)
+        return sum_slots(
             per_pair, ids, out, local_offset=self.local_offset, num_local=self.num_local
         )

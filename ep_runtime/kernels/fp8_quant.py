@@ -4,7 +4,7 @@
 Per token and per 128 consecutive columns: ``s = max(amax, 1e-10) / 448`` (fp32, correctly
 rounded division), ``q = clamp(x / s, ±448)`` rounded to e4m3 (nearest even). The device
 helpers here are shared by the fp8 pack kernel (``kernels/pack.py``) and GEMM1's epilogue
-(``kernels/expert_gemm_fp8.py``); ``triton_quantize_rows`` is the standalone kernel (rows that
+(``experts/gemm/expert_gemm_fp8.py``); ``triton_quantize_rows`` is the standalone kernel (rows that
 arrive unquantized, and the rows a dispatcher sends as ``q(x)``), ``torch_quantize_rows`` its
 twin. Bitwise equal to the spec: the divisions are ``div_rn`` and the cast is
 round-to-nearest-even, done on the bits under the interpreter (whose cast rounds ties up and

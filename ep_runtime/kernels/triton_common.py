@@ -3,7 +3,10 @@ the header and control columns as constexprs.
 
 Triton is optional: without it the names here still exist (``jit`` leaves a kernel a plain
 function that is never launched, the constexprs are ints) so every op file imports, and
-``ops.py`` resolves every op to its torch twin.
+``ops.py`` resolves every op to its torch twin. Every Triton file of the package (the ops here,
+the experts' GEMMs in ``experts/gemm/``) takes ``triton``, ``tl`` and Triton's other names from
+this module, never from ``import triton`` itself, so each imports on an install without Triton;
+a backend that needs the kernels refuses at selection time (``HAS_TRITON``).
 
 Under ``TRITON_INTERPRET=1`` (the CPU tests) the kernels run on CPU tensors; the interpreter
 truncates fp32 → bf16, so there the rounding is done on the bits (``_rounded``).
@@ -23,8 +26,10 @@ try:
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver as _driver
     from triton.runtime.jit import compute_cache_key as _cache_key
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # the torch twins run without it
     triton = tl = libdevice = _driver = _cache_key = None  # type: ignore[assignment]
+    TensorDescriptor = None  # type: ignore[assignment,misc]
 
 HAS_TRITON = triton is not None
 _INTERPRETING = bool(HAS_TRITON and triton.knobs.runtime.interpret)

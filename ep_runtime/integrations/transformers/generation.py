@@ -46,6 +46,38 @@ def greedy_generate(
     every MoE collective has all ranks in it. Prompt and generation lengths may differ per rank.
     ``on_step(step)`` runs after each lockstep step on every rank, at the same point everywhere
     (so it may call collectives, such as each EP layer's ``rebalance()``).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model ``patch_moe_blocks`` patched; called with ``input_ids [1, P]`` (then
+        ``[1, 1]``), ``cache`` and ``use_cache=True``; its output's ``logits`` are
+        ``[1, *, V]``, its ``cache`` goes to the next step.
+    report : PatchReport
+        What ``patch_moe_blocks`` returned on this rank: the group and the EP blocks.
+    prompt : sequence of int or torch.Tensor or None
+        ``[P]`` integer token ids of this rank's request; None or empty: no request (the rank
+        runs every MoE block on zero tokens until the group is done).
+    max_new_tokens : int
+        ``≥ 0``: the most tokens this rank generates (0: no request).
+    eos_token_id : int or sequence of int, optional
+        Token ids that end the request (the ending token is kept); None: only
+        ``max_new_tokens`` ends it.
+    time_moe : bool, default True
+        Time the EP blocks (synchronising the device around each on CUDA): ``moe_s``.
+    on_step : callable, optional
+        ``on_step(step: int) → None``, run on every rank after each lockstep step (1, 2, …).
+
+    Returns
+    -------
+    GreedyResult
+        ``tokens`` (the generated ids), ``logits`` (``[N, V]`` float32 on CPU, the row each
+        token was chosen from), the step counts and the wall times (seconds).
+
+    Raises
+    ------
+    EPInputError
+        ``max_new_tokens`` not an int ``≥ 0``, or a ``prompt`` that is not 1-D.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise EPInputError("max_new_tokens", "an int >= 0", max_new_tokens)

@@ -219,7 +219,43 @@ def patch_moe_blocks(
     ``FP8Experts``, 128×128 block scales) stay e4m3: an ``EPMoE`` with
     ``quantization="fp8_block"`` gets the weights and their scales. ``cuda_graph_tokens=N``
     (capacity mode, CUDA, a world of one): each block's forward on up to N tokens (a decode
-    step) runs as a CUDA graph, captured at the first step of each size (graphs.py)."""
+    step) runs as a CUDA graph, captured at the first step of each size (graphs.py).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A Hugging Face model with sparse-MoE blocks of a supported architecture, already on
+        its device and in its dtype (the experts' dtype is the layers'; FP8 experts: the input
+        embeddings' dtype, float32 or bfloat16). Patched in place.
+    group : torch.distributed.ProcessGroup, optional
+        The EP group, the same on every rank; None: the default group if initialised, else a
+        world of one.
+    expert_weights : callable, default: the rows of the block's own expert tensors
+        ``(block name, w13 [E, 2I, H], w2 [E, H, I], expert of each local slot [S]) →
+        (w13 [S, 2I, H], w2 [S, H, I])`` in the block's dtype: each block's local expert
+        weights, one row per slot.
+    cuda_graph_tokens : int, optional
+        ``N ≥ 1``: each block's forward on up to ``N`` tokens runs as a CUDA graph (capacity
+        mode, CUDA, a world of one); None: eager.
+    **layer_options
+        Passed to every block's ``EPMoE`` (above); ``device`` defaults to the expert
+        tensors' device and ``device_checks`` to True.
+
+    Returns
+    -------
+    PatchReport
+        The replaced blocks in layer order, this rank's place in the group and its experts,
+        the expert elements kept and freed; also the handle lockstep loops use
+        (``greedy_generate``).
+
+    Raises
+    ------
+    UnsupportedMoEBlockError
+        ``model`` has no supported sparse-MoE block, or a block's settings are unsupported.
+    EPInputError
+        A router's ``top_k`` outside ``[1, E]``, FP8 experts in a model that is neither
+        float32 nor bfloat16, or a ``cuda_graph_tokens`` that cannot run here (named why).
+    """
     check_graph_option(cuda_graph_tokens, layer_options, _model_device(model), group)
     found = find_moe_blocks(model)
     if not found:

@@ -1,7 +1,7 @@
 """The fp8 block-scale expert GEMMs of the ``triton`` experts backend: torch spec and Triton.
 
 The grouped rows, the gather through ``pairs`` and the epilogues are the bf16 kernels'
-(``kernels/expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
+(``expert_gemm.py``); the operands are the contract's (``ep_runtime/quantization.py``):
 
 * ``expert_up_fp8``: ``q(x)`` (e4m3 rows ``[R, H]`` and fp32 scales ``[R, H/128]``) against
   e4m3 ``w13`` with one fp32 ``scale_inv`` per 128×128 block. Each 128-deep k-step's fp32
@@ -22,12 +22,9 @@ Deterministic (fixed order, no atomics), static grid, nothing read on the host.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ep_runtime.kernels.expert_gemm import activation_spec, nonempty_groups
-from ep_runtime.kernels.expert_tile_parts import (
+from ep_runtime.experts.gemm.expert_gemm import activation_spec, nonempty_groups
+from ep_runtime.experts.gemm.expert_tile_parts import (
     activated,
     column_groups,
     column_step,
@@ -42,9 +39,9 @@ from ep_runtime.kernels.expert_tile_parts import (
     untransposed,
     zero_padding_tiles,
 )
-from ep_runtime.kernels.expert_tiles import TileConfig
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
 from ep_runtime.kernels.fp8_quant import quantize_groups
-from ep_runtime.kernels.triton_common import INTERPRET, kernel, pow2
+from ep_runtime.kernels.triton_common import INTERPRET, TensorDescriptor, jit, kernel, pow2, tl
 from ep_runtime.quantization import (
     BLOCK,
     dequantize_activations,
@@ -108,7 +105,7 @@ def expert_down_fp8_spec(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit
+@jit
 def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
     """``acc += (a · b) · scale`` for one 128-deep k-step: ``a [BM, BK]`` e4m3 rows, ``b [BK,
     BN]`` e4m3 columns of one weight block, ``scale [BM]`` each row's activation scale times the
@@ -127,7 +124,7 @@ def _scaled_step(acc, a, b, scale, SWAP: tl.constexpr):
     return acc
 
 
-@triton.jit
+@jit
 def _row_step(a_rows, a_desc, a_row, a_scales, ok_m, k_step, BK: tl.constexpr, TMA: tl.constexpr):
     """One k-step of the rows: e4m3 codes ``[BM, BK]`` and their scales ``[BM]``. TMA: the codes
     of contiguous rows from ``a_row`` on through the descriptor (rows past ``ok_m`` are loaded
@@ -139,7 +136,7 @@ def _row_step(a_rows, a_desc, a_row, a_scales, ok_m, k_step, BK: tl.constexpr, T
     return a, tl.load(a_scales + k_step, mask=ok_m, other=0.0)
 
 
-@triton.jit
+@jit
 def _weight_step(w_tile, w_desc, w_row, ok_n, k_step, BK: tl.constexpr, TMA: tl.constexpr):
     """One k-step of a weight tile, e4m3 ``[BK, BN]``: through the descriptor of the ``[L·N, K]``
     weights from row ``w_row`` (loaded ``[BN, BK]``, used transposed), else from ``w_tile``
@@ -151,7 +148,7 @@ def _weight_step(w_tile, w_desc, w_row, ok_n, k_step, BK: tl.constexpr, TMA: tl.
     return w
 
 
-@triton.jit
+@jit
 def _store_quantized_tile(
     out,
     outs,

@@ -1,24 +1,23 @@
-"""The Triton building blocks both expert GEMMs share (``kernels/expert_gemm.py`` in bf16,
-``kernels/expert_gemm_fp8.py`` in fp8): which tile a program computes and its rows' sources and
+"""The Triton building blocks both expert GEMMs share (``expert_gemm.py`` in bf16,
+``expert_gemm_fp8.py`` in fp8): which tile a program computes and its rows' sources and
 targets, the one loop over a program's column tiles and k-steps, the epilogues (activation,
 router weight, one rounding), and the launch geometry (the static grid's bound on row tiles)."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import INTERPRET, cdiv, exp_fp32
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
+from ep_runtime.kernels.triton_common import HAS_TRITON, INTERPRET, cdiv, exp_fp32, jit, tl
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 # tl.sum's and tl.cumsum's combine function: tl.reduce / tl.associative_scan with it compile the
-# same, and under the interpreter skip the costly call of a nested jit function
-ADD = tl.standard._sum_combine
+# same, and under the interpreter skip the costly call of a nested jit function (None without
+# Triton, where no kernel runs)
+ADD = tl.standard._sum_combine if HAS_TRITON else None
 
 
-@triton.jit
+@jit
 def expert_tile(
     pid,
     offsets,  # [L + 1] int32
@@ -54,7 +53,7 @@ def expert_tile(
     return tile_m, tile_n, expert, first_tile, row_start, row_end
 
 
-@triton.jit
+@jit
 def row_sources(pairs, p, ok_m, top_k, SORTED: tl.constexpr):
     """int64 ``[BM]`` rows of A that grouped rows ``p`` read: ``pairs[p] // top_k`` (the sorted
     pairs of STANDARD), or ``p`` itself (EXPANDED: rows already grouped)."""
@@ -65,7 +64,7 @@ def row_sources(pairs, p, ok_m, top_k, SORTED: tl.constexpr):
     return source.to(tl.int64)
 
 
-@triton.jit
+@jit
 def row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED: tl.constexpr):
     """``(dest [BM] int64, router weight [BM] fp32)`` of grouped rows ``p``: the pair's row of
     the per-pair output and its slot's weight (SORTED), or the row itself and its one weight."""
@@ -81,7 +80,7 @@ def row_targets(pairs, p, ok_m, top_k, weights, stride_rr, stride_rk, SORTED: tl
     return dest.to(tl.int64), weight.to(tl.float32)
 
 
-@triton.jit
+@jit
 def zero_padding_tiles(
     out,
     stride_om,
@@ -106,7 +105,7 @@ def zero_padding_tiles(
         tl.store(o_rows + n[None, :], zero, mask=(p < num_rows)[:, None] & (n < width)[None, :])
 
 
-@triton.jit
+@jit
 def group_tiles(column_group, num_n, TILES_N: tl.constexpr):
     """The column tiles of a program's group that lie inside the columns (the last group of a
     row may be partial: its loop stops at the last real tile)."""
@@ -117,7 +116,7 @@ def group_tiles(column_group, num_n, TILES_N: tl.constexpr):
     return count
 
 
-@triton.jit
+@jit
 def column_step(i, steps, column_group, count, TILES_N: tl.constexpr):
     """Step ``i`` of a program's one loop over its ``count`` column tiles × ``steps`` k-steps
     → (column tile, k-step, whether a tile before the program's last ends here). One loop, not
@@ -136,7 +135,7 @@ def column_step(i, steps, column_group, count, TILES_N: tl.constexpr):
     return tile_n, k_step, flush
 
 
-@triton.jit
+@jit
 def step_masks(ok_m, ok_n, kk, depth_left, EVEN_K: tl.constexpr):
     """Load masks of one k-step: ``[BM, BK]`` rows of A and ``[BK, BN]`` of the weights (rows
     and columns inside the problem, and, unless every step is whole, k below ``depth_left``)."""
@@ -149,7 +148,7 @@ def step_masks(ok_m, ok_n, kk, depth_left, EVEN_K: tl.constexpr):
     return a_ok, w_ok
 
 
-@triton.jit
+@jit
 def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr):
     """GEMM2's epilogue of one tile: router weight, one rounding, the rows ``o_rows`` point at."""
     result = untransposed(acc, SWAP) * weight[:, None]
@@ -157,7 +156,7 @@ def store_down_tile(out, o_rows, acc, weight, n, ok_m, ok_n, SWAP: tl.constexpr)
     tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def flush_down_tile(
     acc, flush, out, o_rows, weight, n, ok_m, ok_n, SWAP: tl.constexpr, TILES_N: tl.constexpr
 ):
@@ -170,7 +169,7 @@ def flush_down_tile(
     return acc
 
 
-@triton.jit
+@jit
 def store_last_down_tile(
     out, o_rows, acc, weight, last_tile, width, ok_m, BN: tl.constexpr, SWAP: tl.constexpr
 ):
@@ -179,7 +178,7 @@ def store_last_down_tile(
     store_down_tile(out, o_rows, acc, weight, n, ok_m, n < width, SWAP)
 
 
-@triton.jit
+@jit
 def store_up_tile(
     out, o_rows, acc_g, acc_u, n, ok_m, ok_n, GATED: tl.constexpr, SWAP: tl.constexpr
 ):
@@ -189,7 +188,7 @@ def store_up_tile(
     tl.store(o_rows + n[None, :], _rounded(result, out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def activated(acc_g, acc_u, GATED: tl.constexpr):
     """fp32 ``silu(gate)·up`` (GATED) or ``relu(h)²`` of the GEMM1 accumulators."""
     if GATED:
@@ -200,7 +199,7 @@ def activated(acc_g, acc_u, GATED: tl.constexpr):
     return result
 
 
-@triton.jit
+@jit
 def tile_step(acc, a, b, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """``acc += a · b`` for one k-step (SWAP: the transposed tile ``bᵀ·aᵀ``); under the
     interpreter the operands go to fp32 first (its bf16 ``dot`` is wrong; bf16 → fp32 is exact)."""
@@ -214,7 +213,7 @@ def tile_step(acc, a, b, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     return acc
 
 
-@triton.jit
+@jit
 def untransposed(acc, SWAP: tl.constexpr):
     """The ``[BM, BN]`` tile of an accumulator kept as ``[BN, BM]`` when SWAP."""
     if SWAP:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ep_runtime.kernels.expert_gemm import activation_spec
-from ep_runtime.kernels.expert_tile_parts import ADD, activated
+from ep_runtime.experts.gemm.expert_gemm import activation_spec
+from ep_runtime.experts.gemm.expert_tile_parts import ADD, activated
 from ep_runtime.kernels.fp8_quant import quantize_groups
 from ep_runtime.kernels.triton_common import cdiv, jit, kernel, pow2, tl
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, quantize_activations

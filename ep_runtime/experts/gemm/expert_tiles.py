@@ -1,4 +1,4 @@
-"""Tile configs of the expert GEMMs (``kernels/expert_gemm.py``): the tuned table shipped as JSON
+"""Tile configs of the expert GEMMs (``expert_gemm.py``): the tuned table shipped as JSON
 in the package (``python -m ep_runtime.bench.tune_experts`` writes it), and a heuristic for shapes
 the table lacks.
 
@@ -20,7 +20,7 @@ from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 
-TABLE_PACKAGE = "ep_runtime.kernels"
+TABLE_PACKAGE = "ep_runtime.experts.gemm"
 TABLE_FILE = "expert_tiles.json"
 
 
@@ -53,6 +53,15 @@ class TileConfig:
         return TileConfig(**entry)
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """The configs of one forward's two GEMMs: ``up`` (GEMM1, ``w13``) and ``down`` (GEMM2,
+    ``w2``)."""
+
+    up: TileConfig
+    down: TileConfig
+
+
 def rows_bucket(rows: int, num_local: int) -> Fraction:
     """The power of two at or above the mean rows per expert ``rows / num_local`` (a fraction
     ``1/2^j`` when there are fewer rows than experts; no rows count as one)."""
@@ -73,7 +82,7 @@ def _pow2(n: int) -> int:
 
 
 def shape_key(gemm: str, num_local: int, n: int, k: int, gated: bool, fp8: bool = False) -> str:
-    """The table key; the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``) have their own
+    """The table key; the fp8 block-scale GEMMs (``expert_gemm_fp8.py``) have their own
     entries (prefix ``fp8_``): other operand widths, BLOCK_K a multiple of 128."""
     suffix = "_gated" if gated and gemm == "up" else ""
     prefix = "fp8_" if fp8 else ""
@@ -122,7 +131,7 @@ def heuristic(gemm: str, bucket: Fraction, n: int, k: int, interpret: bool) -> T
 
 
 def heuristic_fp8(gemm: str, bucket: Fraction, interpret: bool) -> TileConfig:
-    """A config of the fp8 block-scale GEMMs (``kernels/expert_gemm_fp8.py``): BLOCK_K = 128
+    """A config of the fp8 block-scale GEMMs (``expert_gemm_fp8.py``): BLOCK_K = 128
     (one scale per k-step; the tuner also tries 256, two steps per loop iteration) and, for
     GEMM1, BLOCK_N = 128 (its epilogue quantizes one group per tile row). Decode swaps the
     tile (weight rows on the matrix unit's M side)."""

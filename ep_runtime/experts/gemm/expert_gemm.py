@@ -3,7 +3,7 @@
 Both GEMMs walk grouped rows: rows ``[offsets[e], offsets[e+1])`` belong to local expert ``e``;
 rows past ``offsets[L]`` are padding and are never read. A grouped row ``p`` is either a row of
 the input itself (EXPANDED: the dispatcher grouped them) or, through ``pairs[p] = row·K + slot``
-(STANDARD: ``kernels/expert_rows.py`` sorted the served (row, slot) pairs by expert), a pair whose
+(STANDARD: ``expert_rows.py`` sorted the served (row, slot) pairs by expert), a pair whose
 hidden state is read straight from the received rows, with no copy.
 
 * ``expert_up``: ``act[p] = act(x[row(p)] · w13[e]ᵀ)`` in fp32 (gated: ``silu(gate)·up`` with
@@ -17,7 +17,7 @@ static (a bound on the tiles; tiles past the real count exit or zero padding), s
 read on the host and a CUDA graph can capture it. Under ``TRITON_INTERPRET=1`` the kernels run
 on CPU tensors (the interpreter's bf16 ``dot`` is wrong, so there operands go to fp32 first:
 exact, since bf16 → fp32 is). The building blocks the fp8 GEMMs share with these (tile and row
-bookkeeping, the loop's steps, epilogues, grid bounds): ``kernels/expert_tile_parts.py``.
+bookkeeping, the loop's steps, epilogues, grid bounds): ``expert_tile_parts.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton.language as tl
 
-from ep_runtime.kernels.expert_tile_parts import (
+from ep_runtime.experts.gemm.expert_tile_parts import (
     column_groups,
     column_step,
     down_launch,
@@ -43,8 +42,8 @@ from ep_runtime.kernels.expert_tile_parts import (
     tile_step,
     zero_padding_tiles,
 )
-from ep_runtime.kernels.expert_tiles import TileConfig
-from ep_runtime.kernels.triton_common import kernel, pow2
+from ep_runtime.experts.gemm.expert_tiles import TileConfig
+from ep_runtime.kernels.triton_common import kernel, pow2, tl
 
 # --------------------------------------------------------------------------- torch spec
 

@@ -1,4 +1,4 @@
-"""The STANDARD layout's row bookkeeping around the expert GEMMs (``kernels/expert_gemm.py``):
+"""The STANDARD layout's row bookkeeping around the expert GEMMs (``expert_gemm.py``):
 its torch spec and its Triton kernels.
 
 * ``sort_pairs``: the served (row, slot) pairs of ``topk_ids [R, K]`` as ``row·K + slot``,
@@ -14,9 +14,8 @@ Both are deterministic (no atomics) and read nothing on the host.
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 
-from ep_runtime.kernels.triton_common import cdiv, kernel, pow2
+from ep_runtime.kernels.triton_common import cdiv, kernel, pow2, tl
 from ep_runtime.kernels.triton_common import rounded as _rounded
 
 MAX_SORT_BLOCK = 16384  # pairs one program scans per step (each step waits on two reductions)
