@@ -387,7 +387,9 @@ def load_sharded(
     read only the dense tensors and this rank's experts. ``device``: default CUDA on NCCL groups,
     else CPU; ``dtype``: of the dense part and the experts (transformers' fp32 exceptions kept);
     ``progress``: called after every tensor read (default: a line on stderr at most every 5 s);
-    ``layer_options`` go to ``EPMoE`` through ``patch_moe_blocks``. Every rank must call it."""
+    ``layer_options`` go to ``EPMoE`` through ``patch_moe_blocks``. Every rank must call it.
+    Raises ``EPInputError`` naming the tensor and its file, the same on every rank, where the
+    checkpoint does not fit the model or a tensor read holds NaN or Inf (module docstring)."""
     started = time.perf_counter()
     hf = require_transformers()
     path = Path(path)
@@ -450,7 +452,7 @@ def load_sharded(
 def _refuse_nonfinite(comm: Comm, reader: TensorReader, patch: PatchReport) -> None:
     """Every rank raises the same error, naming the first tensor (by rank) read with NaN or Inf
     values, if any rank read one (its EP layers closed first): each rank read only its part."""
-    found = [f for found in comm.all_gather_object(reader.nonfinite) for f in found]
+    found = [f for per_rank in comm.all_gather_object(reader.nonfinite) for f in per_rank]
     if found:
         for block in patch.blocks:
             block.module.ep.close()
