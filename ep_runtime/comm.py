@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime import comm_process
-from ep_runtime.comm_notices import DISPATCHER_NOTICE, NoticeBoard
+from ep_runtime.comm_notices import DISPATCHER_NOTICE, InFlight, NoticeBoard
 from ep_runtime.types import GroupUnusableError, RemoteRankError
 
 T = TypeVar("T")
@@ -43,15 +43,6 @@ SETTLE_S = 0.25  # a collective gets this long to end by itself once a peer is i
 SPIN_S = 0.002  # a device read spins this long before sleeping between polls
 DIAGNOSE_S = 5.0  # after a transport error: how long to wait for the cause to show
 VOTE_TIMEOUT_S = 600.0  # a vote whose voters are all alive but silent this long fails
-
-
-@dataclass(frozen=True)
-class InFlight:
-    """The forward a wait belongs to: its layer's index and its number on that layer (from 1,
-    the same on every rank)."""
-
-    layer: int
-    forward: int
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from ep_runtime.comm import InFlight
-
 DISPATCHER_NOTICE = "dispatcher"
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The forward a wait belongs to: its layer's index and its number on that layer (from 1,
+    the same on every rank)."""
+
+    layer: int
+    forward: int
 
 
 @dataclass(frozen=True)

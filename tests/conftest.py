@@ -9,13 +9,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from tests.processes import Run
+from tests.support.processes import Run
 
 # Never start FlashInfer's CUTLASS JIT build (over 18 minutes) from a test: an unbuilt module
 # is a refusal (skipped with its reason), even where a test names the backend.
 os.environ.setdefault("EP_RUNTIME_FLASHINFER_CUTLASS_JIT", "0")
 
-# Without a GPU the Triton kernels are tested under Triton's interpreter (tests/test_kernels.py).
+# Without a GPU the Triton kernels are tested under Triton's interpreter
+# (tests/kernels/test_kernels.py).
 # It must be on before triton is first imported: triton.language builds its own jit functions
 # (tl.sum, tl.cumsum, …) at import, as interpreted or compiled functions.
 if not torch.cuda.is_available():
@@ -30,7 +31,7 @@ EXPECTED_SKIPS_WITHOUT_CUDA = [
     r"expected refusal: .*runs on \['cuda'\], not cpu",
     r"no CUDA device",
     r"needs a CUDA device",
-    # tests/test_launch_multihost.py off CI (CI runs as root, with iproute2 and util-linux)
+    # tests/launch/test_launch_multihost.py off CI (CI runs as root, with iproute2 and util-linux)
     r"cannot simulate two hosts here: network namespaces need (root|Linux|the '\w+' command)",
     r"transformers' FP8 experts forward does not run on cpu",  # it needs CUDA kernels
 ]
@@ -127,3 +128,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         lines = "\n".join(f"  {node}: {why}" for node, why in unexpected)
         print(f"\nUnexpected skips on this machine (see tests/conftest.py):\n{lines}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def triton_kernels() -> None:
+    """Tests of Triton kernels (``pytestmark = pytest.mark.usefixtures("triton_kernels")``):
+    compiled on CUDA, run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``, set above before
+    anything imports triton); skipped where triton is not installed."""
+    pytest.importorskip("triton", reason="triton is not installed")

@@ -1,4 +1,5 @@
-"""FP8 block-scaled experts on CPU against the fp64 oracle of the contract (tests/fp8_oracle.py,
+"""FP8 block-scaled experts on CPU against the fp64 oracle of the contract
+(tests/support/fp8_oracle.py,
 written from the formulas): the e4m3 rounding, the activation and weight quantizers, the layer
 (world size 1 in-process; W = 2–4 in tests/multigpu/test_fp8_layer.py), the distance to the
 unquantized layer on the same weights, and bad fp8 inputs."""
@@ -19,7 +20,7 @@ from ep_runtime.quantization import (
     quantize_weight_blocks,
 )
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests import fp8_oracle
+from tests.support import fp8_oracle
 
 E, K, H, I = 8, 3, 256, 128  # noqa: E741
 

@@ -17,7 +17,7 @@ from _pytest.mark.expression import Expression
 from ep_runtime.launch.cli import build_parser, build_spec
 from ep_runtime.launch.spec import RunSpec
 from tests.multigpu.test_fp8_layer import FP8_WORLD_SIZES, fp8_matrix
-from tests.processes import ENV, REPO
+from tests.support.processes import ENV, REPO
 
 SCRIPT = REPO / "tools" / "gpu" / "multigpu_bench.sh"
 LAUNCHER = "ep_runtime.launch"

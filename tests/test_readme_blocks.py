@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import ENV
+from tests.support.processes import ENV
 
 REPO = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)

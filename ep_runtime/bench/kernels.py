@@ -5,7 +5,8 @@
 1. Per op, at the shapes of ``SHAPES`` (DeepSeek-V3 EP8, one rank's shard of 32 experts: T 4096
    or 128, H 7168, I 2048, K 8; Qwen3-30B-A3B on one rank: 128 experts, H 2048, I 768, K 8): the
    Triton op's result against its twin's (``OpCase.matches``, the comparison that
-   tests/test_kernels_at_model_shapes.py asserts), the time of each (``bench.timing.time_ms``)
+   tests/kernels/test_kernels_at_model_shapes.py asserts), the time of each
+   (``bench.timing.time_ms``)
    and the op's bytes moved as GB/s next to the device's copy rate (a 2 GiB device-to-device
    copy, read + write, measured in the same run).
 2. The kernels and copies one ``EPMoE`` forward launches at world size 1 (``bench.timing

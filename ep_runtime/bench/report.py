@@ -14,7 +14,7 @@ from rich.table import Table
 from ep_runtime.bench.metrics import imbalance
 
 # the validation error, as ep_runtime/tolerance.py computes it; docs/launch.md and
-# docs/architecture.md state the same formula (tests/test_launch_report.py checks they do)
+# docs/architecture.md state the same formula (tests/launch/test_launch_report.py checks they do)
 RELATIVE_ERROR = "‖out_t − ref_t‖ / Σ_k |w_k|·‖FFN_k(x_t)‖"
 # printed under the tables and stored in the JSON report ("conventions")
 CONVENTIONS = (

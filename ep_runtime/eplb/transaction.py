@@ -33,20 +33,44 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ep_runtime.comm import Comm
 from ep_runtime.eplb.algorithm import rebalanced_placement
+from ep_runtime.eplb.device_map import DeviceMap
 from ep_runtime.eplb.moves import MovePlan, arrivals, flat_rows, outgoing_slots, plan_moves
 from ep_runtime.eplb.placement_map import PlacementMap
 from ep_runtime.eplb.stats import LoadStats, RebalanceReport
 from ep_runtime.experts.base import Experts
 from ep_runtime.types import EPInputError, RemoteRankError
 
-if TYPE_CHECKING:
-    from ep_runtime.eplb.balancer import ExpertBalancer
+
+class BalancerState(Protocol):
+    """What a placement change reads and commits of a layer's balancer (eplb/balancer.py)."""
+
+    placement: PlacementMap
+    device_map: DeviceMap
+    num_nodes: int
+    owns_weights: bool
+
+    @property
+    def has_weights(self) -> bool: ...
+
+    @property
+    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def checked_load(self, load: torch.Tensor) -> torch.Tensor: ...
+
+    def install(
+        self,
+        new: PlacementMap,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        table: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +118,7 @@ def _raise_failures(statuses: list[str | None], failure: BaseException | None) -
 class PlacementChange:
     """One rebalance of one layer, run once (``run``); the balancer holds the state it changes."""
 
-    def __init__(self, balancer: ExpertBalancer, hooks: ChangeHooks) -> None:
+    def __init__(self, balancer: BalancerState, hooks: ChangeHooks) -> None:
         self.balancer = balancer
         self.hooks = hooks
         self.comm = hooks.comm

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ep_runtime.integrations.checkpoint import build_empty_model, load_sharded
 from ep_runtime.integrations.transformers import greedy_generate
-from tests.resident_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from tests.support.resident_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def _quiet(_: object) -> None:

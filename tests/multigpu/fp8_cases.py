@@ -1,6 +1,6 @@
 """Rank side of the fp8 block-scale layer cases: weights generated in bf16 (the suite's
 ``make_weights``) and quantized per 128×128 block, every rank's output compared per token with
-the fp64 oracle of the contract (tests/fp8_oracle.py, not the production twin)."""
+the fp64 oracle of the contract (tests/support/fp8_oracle.py, not the production twin)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from ep_runtime import EPInputError, EPMoE, MoEConfig
 from ep_runtime.experts import EXPERTS
 from ep_runtime.quantization import quantize_weight_blocks
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.fp8_oracle import fp8_moe_oracle
 from tests.multigpu.layer_cases import CaseResult
 from tests.multigpu.rank_inputs import CaseSpec, device, make_inputs, make_weights
+from tests.support.fp8_oracle import fp8_moe_oracle
 
 FP8_SHAPES = dict(hidden=256, intermediate=128)  # fp8 blocks tile H and I
 # scaled_mm's cuBLAS GEMMs take K in multiples of 4 blocks (experts/scaled_mm.py)

@@ -13,14 +13,6 @@ import torch
 
 from ep_runtime.integrations.transformers import build_random_model, random_config
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.checkpoint_files import (
-    drop_tensor,
-    expected_reads,
-    reshape_tensor,
-    set_values,
-    write_checkpoint,
-)
-from tests.hf_oracle import hf_greedy, model_eos, moe_shape, needs_transformers
 from tests.multigpu.checkpoint_cases import (
     group_still_works,
     load_and_generate_on_rank,
@@ -28,6 +20,14 @@ from tests.multigpu.checkpoint_cases import (
     load_on_rank,
 )
 from tests.multigpu.pool import RankFailure, RankPool
+from tests.support.checkpoint_files import (
+    drop_tensor,
+    expected_reads,
+    reshape_tensor,
+    set_values,
+    write_checkpoint,
+)
+from tests.support.hf_oracle import hf_greedy, model_eos, moe_shape, needs_transformers
 
 pytestmark = needs_transformers
 

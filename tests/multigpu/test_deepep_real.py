@@ -1,7 +1,8 @@
 """The real DeepEP V2 (``deep_ep.ElasticBuffer``) behind ``dispatcher="deepep_v2"``.
 
 The rank-side bodies are the ones the CPU tests run against the imitation
-(tests/test_deepep_adapter.py): the layer against ``reference_moe`` per token, dispatch arriving
+(tests/dispatch/test_deepep_adapter.py): the layer against ``reference_moe`` per token, dispatch
+arriving
 bit for bit in any order, the exact round trip, bad input on one rank. Everything here skips,
 with the reason, unless deep_ep V2 and NCCL >= 2.30.4 (the same libnccl as torch) are usable and
 the pool's ranks run NCCL on one GPU each. DeepEP JIT-compiles on first use: the first cases are

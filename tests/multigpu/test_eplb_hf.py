@@ -17,7 +17,7 @@ from ep_runtime.integrations.transformers import (
     random_config,
 )
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.hf_oracle import hf_greedy, model_eos, moe_shape, needs_transformers
+from tests.support.hf_oracle import hf_greedy, model_eos, moe_shape, needs_transformers
 
 pytestmark = needs_transformers
 

@@ -1,6 +1,6 @@
 """The fp8 block-scale layer on real ranks (gloo on CPU, NCCL with one GPU per rank): both
 layouts and modes, both activations, world sizes 1–4, global and local weight shards, edge cases,
-each rank compared per token with the fp64 oracle of the contract (tests/fp8_oracle.py)."""
+each rank compared per token with the fp64 oracle of the contract (tests/support/fp8_oracle.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The FP8 ``deepseek-v3-fp8`` model expert-parallel on real ranks (gloo on CPU, W = 2 and 3):
 each EP block's output, at every call on every rank, against the fp64 oracle of the contract on
-the same inputs (the unpatched block's own router and shared experts, tests/hf_fp8_oracle.py);
+the same inputs (the unpatched block's own router and shared experts,
+tests/support/hf_fp8_oracle.py);
 the greedy tokens against the unpatched model with its experts computed by that oracle, and by
 transformers' own fp8 forward where it runs (it needs CUDA kernels); each rank holds only its
 fp8 shard."""
@@ -13,9 +14,13 @@ import torch
 from ep_runtime.integrations.transformers import build_random_model, random_config
 from ep_runtime.launch.hf_report import reference_greedy
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.hf_fp8_oracle import block_oracle, transformers_fp8_unavailable, use_oracle_experts
-from tests.hf_oracle import hf_greedy, model_eos, needs_transformers
 from tests.multigpu.hf_fp8_cases import generate_fp8_on_rank
+from tests.support.hf_fp8_oracle import (
+    block_oracle,
+    transformers_fp8_unavailable,
+    use_oracle_experts,
+)
+from tests.support.hf_oracle import hf_greedy, model_eos, needs_transformers
 
 pytestmark = needs_transformers
 

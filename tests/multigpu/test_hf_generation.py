@@ -10,14 +10,14 @@ import torch
 
 from ep_runtime.integrations.transformers import build_random_model, random_config
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.hf_oracle import (
+from tests.multigpu.hf_cases import generate_on_rank
+from tests.support.hf_oracle import (
     hf_greedy,
     model_eos,
     moe_shape,
     needs_transformers,
     routed_expert_numel,
 )
-from tests.multigpu.hf_cases import generate_on_rank
 
 pytestmark = needs_transformers
 

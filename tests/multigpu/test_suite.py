@@ -4,7 +4,7 @@ against ``reference_moe`` with the derived tolerance (ep_runtime/tolerance.py).
 
 Backends defined outside the package join the registries through ``EP_TEST_BACKEND_MODULES``
 (comma-separated modules whose ``register()`` runs here and in every rank process), e.g.
-``EP_TEST_BACKEND_MODULES=tests.memory_transport EP_TEST_WORLD_SIZES=1`` for the in-memory
+``EP_TEST_BACKEND_MODULES=tests.support.memory_transport EP_TEST_WORLD_SIZES=1`` for the in-memory
 transport (a world of one only)."""
 
 from __future__ import annotations

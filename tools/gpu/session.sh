@@ -33,8 +33,8 @@ if [[ "$part" == check ]]; then
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   section "Triton kernels: tests on CUDA (odd shapes, model shapes)"
   xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)  # compiling dominates: spread it
-  timeout 200 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_kernels.py \
-    tests/test_kernels_route.py tests/test_kernels_layer.py tests/test_kernels_at_model_shapes.py
+  timeout 200 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels/test_kernels.py \
+    tests/kernels/test_kernels_route.py tests/kernels/test_kernels_layer.py tests/kernels/test_kernels_at_model_shapes.py
   echo "kernel tests exit $?"
   section "Triton kernels: per-op timings, kernels per forward"
   timeout 200 python3 -m ep_runtime.bench.kernels --json "$OUT/kernels.json"
@@ -62,7 +62,7 @@ elif [[ "$part" == tests ]]; then
   # CUDA-only tests (auto's choice of DeepEP and FlashInfer, refusals timed) and the suite
   section "pytest: CUDA-only tests and the multi-rank suite (W=1 on NCCL, W=2/4 on gloo)"
   EP_TEST_GROUP_TIMEOUT_S=60 timeout 420 python3 -m pytest -q -p no:cacheprovider -rs \
-    --timeout 240 --ignore=tests/test_launch_ray.py --junitxml "$OUT/pytest.xml" tests
+    --timeout 240 --ignore=tests/launch/test_launch_ray.py --junitxml "$OUT/pytest.xml" tests
   echo "pytest exit $?"
 elif [[ "$part" == launch ]]; then
   exec > >(tee "$OUT/launch.log") 2>&1
