@@ -1,6 +1,6 @@
 """FP8 block-scaled expert weights (the DeepSeek-V3 format) and dynamic activation quantization.
 
-The contract (README "Quantization"):
+The contract (docs/fp8.md):
 
 - Weights: e4m3 (``torch.float8_e4m3fn``) with one fp32 ``scale_inv`` per 128×128 block; the
   weight a block stands for is ``w.float() * scale_inv[block]``. ``w13 [E|L, 2I|I, H]`` goes with
