@@ -45,7 +45,7 @@ def agree_on_build(
         PeerIdentity.of_this_process(),
         uuid.uuid4().hex,
     )
-    reports: list[_BuildReport] = comm.all_gather_object(own)  # type: ignore[assignment]
+    reports = comm.all_gather_object(own)
     for key in settings:
         values = [report.settings.get(key) for report in reports]
         if len(set(values)) > 1:

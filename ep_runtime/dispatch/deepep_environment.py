@@ -82,7 +82,7 @@ def prepare_gin(comm: Comm) -> str:
     if comm.group is None or "nccl" not in comm.backend:
         return f"GIN not probed (group backend {comm.backend})"
     own = RankGin(socket.gethostname(), query_gin(comm.group), os.environ.get(DISABLE_GIN_ENV))
-    ranks: list[RankGin] = comm.all_gather_object(own)  # type: ignore[assignment]
+    ranks = comm.all_gather_object(own)
     if must_disable_gin(ranks):
         os.environ[DISABLE_GIN_ENV] = "1"
         return f"{own.gin.describe()}; single node: {DISABLE_GIN_ENV}=1 on every rank (NVLink)"
