@@ -260,8 +260,8 @@ class GroupComm(Comm):
         sizes = [row[0] for row in self.to_host(self.all_to_all(size))]
         send = torch.zeros(world, max(sizes), dtype=torch.uint8, device=device)
         send[:, : payload.numel()] = payload.to(device)
-        received = self.all_to_all(send).cpu()
-        return [pickle.loads(received[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
+        received = self.to_host(self.all_to_all(send))  # polled: NCCL waits on the stream
+        return [pickle.loads(bytes(row[:n])) for row, n in zip(received, sizes, strict=True)]
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.check_usable()
