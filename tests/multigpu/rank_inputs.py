@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ep_runtime import EPMoE, MoEConfig
 from ep_runtime.comm import default_device
+from ep_runtime.eplb import zipf_routing
 from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY
 from ep_runtime.quantization import quantize_weight_blocks
 
@@ -118,7 +119,16 @@ def make_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, 
     return x, ids.to(torch.int32 if rank % 2 else torch.int64), weights
 
 
-def build_layer(spec: CaseSpec) -> EPMoE:
+def build_layer(
+    spec: CaseSpec,
+    redundant: int = 0,
+    eplb_interval: int | None = None,
+    given: torch.dtype | None = None,
+) -> EPMoE:
+    """The case's layer with its weights loaded. ``redundant``, ``eplb_interval``: EPLB's
+    options. ``given``: the dtype unquantized weights are handed over in (another than the
+    compute dtype: the layer's slot weights are its own copies, which a placement change writes
+    in place; the compute dtype: they share the caller's storage)."""
     layer = EPMoE(
         spec.config(),
         dispatcher=spec.dispatcher,
@@ -129,10 +139,12 @@ def build_layer(spec: CaseSpec) -> EPMoE:
         device=device(),
         poison=spec.poison,
         forward_graphs=DEFAULT_GRAPH_POLICY if spec.forward_graphs else None,
+        num_redundant_experts=redundant,
+        eplb_interval=eplb_interval,
     )
     w13, w2 = make_weights(spec)
     if spec.quantization is None:
-        layer.load_weights(w13, w2)
+        layer.load_weights(w13.to(given or spec.dtype), w2.to(given or spec.dtype))
     else:
         (q13, s13), (q2, s2) = quantize_weight_blocks(w13), quantize_weight_blocks(w2)
         layer.load_weights(q13, q2, w13_scale_inv=s13, w2_scale_inv=s2)
@@ -141,6 +153,17 @@ def build_layer(spec: CaseSpec) -> EPMoE:
 
 def with_spec(spec: CaseSpec, **changes) -> CaseSpec:
     return replace(spec, **changes)
+
+
+def skewed_inputs(spec: CaseSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_inputs`` (uneven T, -1 slots, an unserved token, NaN weights on -1 slots, int32 /
+    int64 ids by rank) with Zipf(1.2) experts in the used slots, so a rebalance moves experts."""
+    rank = dist.get_rank()
+    x, ids, weights = make_inputs(with_spec(spec, seed=seed), rank)
+    skewed, _ = zipf_routing(
+        ids.size(0), spec.num_experts, ids.size(1), 1.2, seed=spec.seed + seed, rank=rank
+    )
+    return x, torch.where(ids >= 0, skewed.to(ids.dtype), ids), weights
 
 
 def dyadic_inputs(spec: CaseSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,17 +6,17 @@ slot weights it holds afterwards, and whether the next forward matches ``referen
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ep_runtime import EPMoE, reference_moe
-from ep_runtime.eplb import rebalanced_placement, zipf_routing
+from ep_runtime.eplb import rebalanced_placement
 from ep_runtime.eplb.transaction import PlacementChange
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.multigpu.rank_inputs import CaseSpec, device, make_inputs, make_weights, with_spec
+from tests.multigpu.fault_cases import _attempt
+from tests.multigpu.rank_inputs import CaseSpec, build_layer, device, make_weights, skewed_inputs
 
 INJECTED = "injected failure in a placement change (as an out-of-memory error would be)"
 # the local steps of PlacementChange an exception is injected into (docs of each in the module)
@@ -39,41 +39,6 @@ class Outcome:
     next_forward_ok: bool
     clean_rebalance_moved: bool  # a rebalance after the failed one changed the placement
     in_place: bool  # the faulty change was staged for an in-place commit (the layer's own weights)
-
-
-def skewed_inputs(spec: CaseSpec, seed: int):
-    """The suite's inputs with Zipf(1.2) experts in the used slots (so a rebalance moves)."""
-    rank = dist.get_rank()
-    x, ids, weights = make_inputs(with_spec(spec, seed=seed), rank)
-    skewed, _ = zipf_routing(
-        ids.size(0), spec.num_experts, ids.size(1), 1.2, seed=spec.seed + seed, rank=rank
-    )
-    return x, torch.where(ids >= 0, skewed.to(ids.dtype), ids), weights
-
-
-def build(
-    spec: CaseSpec,
-    redundant: int,
-    eplb_interval: int | None = None,
-    given: torch.dtype | None = None,
-) -> EPMoE:
-    """``given``: the dtype the weights are handed over in (another than the compute dtype: the
-    layer's slot weights are its own copies, which a placement change writes in place; the
-    compute dtype: they share the caller's storage, and a change stages new tensors and a new
-    experts backend)."""
-    layer = EPMoE(
-        spec.config(),
-        dispatcher=spec.dispatcher,
-        experts=spec.experts,
-        layout=spec.layout,
-        mode=spec.mode,
-        max_tokens_per_rank=spec.cap,
-        device=device(),
-        num_redundant_experts=redundant,
-        eplb_interval=eplb_interval,
-    )
-    layer.load_weights(*(w.to(given or spec.dtype) for w in make_weights(spec)))
-    return layer
 
 
 def forward_matches(layer: EPMoE, spec: CaseSpec, seed: int) -> bool:
@@ -106,21 +71,12 @@ def _failing(step: str):
     return fail
 
 
-def _attempt(call) -> tuple[str, str, float]:
-    start = time.monotonic()
-    try:
-        call()
-    except Exception as error:  # every kind of ending is reported to the driver
-        return type(error).__name__, str(error), time.monotonic() - start
-    return "none", "", time.monotonic() - start
-
-
 def faulty_rebalance(spec: CaseSpec, redundant: int, bad_rank: int, fault: str) -> Outcome:
     """A forward, then a rebalance in which ``bad_rank`` misbehaves (``fault``: a step of
     ``FAILING_STEPS`` raises, or one of ``ELSEWHERE``); then a forward and a clean rebalance."""
     rank = dist.get_rank()
     given = torch.float32 if fault in IN_PLACE else None
-    layers = [build(spec, redundant, given=given), build(spec, redundant, given=given)]
+    layers = [build_layer(spec, redundant, given=given), build_layer(spec, redundant, given=given)]
     layer = layers[0]
     try:
         forward_matches(layer, spec, seed=1)
@@ -162,7 +118,7 @@ def failing_automatic_rebalance(spec: CaseSpec, redundant: int, bad_rank: int) -
     """``eplb_interval=2``: the second forward rebalances by itself, and ``bad_rank``'s backend
     reload fails there; every rank's forward raises, the next forwards are correct."""
     rank = dist.get_rank()
-    layer = build(spec, redundant, eplb_interval=2)
+    layer = build_layer(spec, redundant, eplb_interval=2)
     try:
         initial = layer.placement
         forward_matches(layer, spec, seed=1)
@@ -189,7 +145,7 @@ def diverged_placement(spec: CaseSpec, redundant: int, bad_rank: int) -> tuple[s
     computing with experts the others do not expect there. Returns (error type, message, whether
     a forward after every rank is back on one placement is correct)."""
     rank = dist.get_rank()
-    layer = build(spec, redundant)
+    layer = build_layer(spec, redundant)
     try:
         initial = layer.placement
         if rank == bad_rank:

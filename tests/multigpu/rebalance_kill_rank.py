@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ep_runtime.eplb.transaction import PlacementChange
 from ep_runtime.launch.network import apply_interface_defaults
 from ep_runtime.launch.rendezvous import LOOPBACK, join_store
-from tests.multigpu.rank_inputs import CaseSpec
-from tests.multigpu.rebalance_faults import build, forward_matches, slots_hold_their_experts
+from tests.multigpu.rank_inputs import CaseSpec, build_layer
+from tests.multigpu.rebalance_faults import forward_matches, slots_hold_their_experts
 
 # where the victim dies: as it enters each collective of the change, or after its vote
 KILL_POINTS = ("open", "sum_load", "agree", "exchange", "vote", "after_vote")
@@ -52,7 +52,7 @@ def main() -> None:
         "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=60)
     )
     spec = CaseSpec(experts="grouped_mm", num_experts=16 - args.redundant, hidden=64, cap=32)
-    layer = build(spec, args.redundant)
+    layer = build_layer(spec, args.redundant)
     forward_matches(layer, spec, seed=1)  # the group is up and counted a skewed load
     initial = layer.placement
     if args.rank == args.victim:

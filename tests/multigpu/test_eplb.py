@@ -13,9 +13,15 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime import EPMoE, reference_moe
-from ep_runtime.eplb import zipf_routing
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from tests.multigpu.rank_inputs import CaseSpec, device, make_inputs, make_weights, with_spec
+from tests.multigpu.rank_inputs import (
+    CaseSpec,
+    build_layer,
+    device,
+    make_weights,
+    skewed_inputs,
+    with_spec,
+)
 
 REDUNDANT = (0, 1, 4)
 WORLD_SIZES = (2, 3, 4)
@@ -31,35 +37,8 @@ def _spec(world_size: int, redundant: int, **changes) -> CaseSpec:
     return with_spec(base, **changes)
 
 
-def _skewed_inputs(spec: CaseSpec, seed: int):
-    """The suite's inputs (uneven T, -1 slots, an unserved token, NaN weights on -1 slots,
-    int32/int64 ids by rank) with Zipf(1.2) experts in the used slots."""
-    rank = dist.get_rank()
-    x, ids, weights = make_inputs(with_spec(spec, seed=seed), rank)
-    skewed, _ = zipf_routing(
-        ids.size(0), spec.num_experts, ids.size(1), 1.2, seed=spec.seed, rank=rank
-    )
-    ids = torch.where(ids >= 0, skewed.to(ids.dtype), ids)
-    return x, ids, weights
-
-
-def _build(spec: CaseSpec, redundant: int) -> EPMoE:
-    layer = EPMoE(
-        spec.config(),
-        dispatcher=spec.dispatcher,
-        experts=spec.experts,
-        layout=spec.layout,
-        mode=spec.mode,
-        max_tokens_per_rank=spec.cap,
-        device=device(),
-        num_redundant_experts=redundant,
-    )
-    layer.load_weights(*make_weights(spec))
-    return layer
-
-
 def _matches(layer: EPMoE, spec: CaseSpec, seed: int) -> tuple[bool, torch.Tensor]:
-    x, ids, weights = _skewed_inputs(spec, seed)
+    x, ids, weights = skewed_inputs(spec, seed)
     w13, w2 = make_weights(spec)
     ref, scale = reference_moe(x, ids, weights, w13, w2, spec.activation, return_scale=True)
     dev = device()
@@ -82,11 +61,11 @@ def _all_done() -> None:
 def rebalance_case(spec: CaseSpec, redundant: int) -> dict:
     """Forward, count, rebalance, forward. Returns what the driver checks across ranks."""
     rank = dist.get_rank()
-    layer = _build(spec, redundant)
+    layer = build_layer(spec, redundant)
     try:
         _, before_out = _matches(layer, spec, seed=1)
         load = layer.expert_load()
-        _, ids, _ = _skewed_inputs(spec, seed=1)  # the hand count: every rank's used ids
+        _, ids, _ = skewed_inputs(spec, seed=1)  # the hand count: every rank's used ids
         hand = torch.bincount(ids[ids >= 0].long(), minlength=spec.num_experts)
         hand = hand.to(device())
         dist.all_reduce(hand)
@@ -175,7 +154,7 @@ def failing_rebalance(spec: CaseSpec, redundant: int, bad_rank: int, fault: str)
     whether its placement and weights are the old ones, and whether the next forward and a
     clean rebalance after it still work."""
     rank = dist.get_rank()
-    layer = _build(spec, redundant)
+    layer = build_layer(spec, redundant)
     try:
         _matches(layer, spec, seed=1)
         before = layer.placement

@@ -6,19 +6,13 @@ Gloo ranks on CPU with a 60 s group timeout, so "within 15 s" cannot be the time
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 
 from ep_runtime.dispatch.setup import DEVICE_CHECKS_ENV
-from ep_runtime.launch.rendezvous import LOOPBACK, host_store
 from tests.multigpu import fault_cases
 from tests.multigpu.pool import RankPool
 from tests.multigpu.rank_inputs import CaseSpec
+from tests.multigpu.rank_scripts import run_rank_scripts
 
 GROUP_TIMEOUT_S = 60.0
 WITHIN_S = 15.0
@@ -151,47 +145,8 @@ def test_close_then_forward_fails_every_rank(world, mode) -> None:
 
 def run_dying_group(world: int, victim: int, scenario: str, mode: str, layout: str):
     """Start ``world`` rank scripts; return (survivors' JSON reactions, every exit code)."""
-    store = host_store(LOOPBACK, world + 1, 60)
-    command = [
-        sys.executable,
-        "-m",
-        "tests.multigpu.dying_rank",
-        "--world",
-        str(world),
-        "--port",
-        str(store.port),
-        "--victim",
-        str(victim),
-        "--scenario",
-        scenario,
-        "--mode",
-        mode,
-        "--layout",
-        layout,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    processes = [
-        subprocess.Popen(
-            [*command, "--rank", str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + 90
-    try:
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    reactions = [
-        json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")
-    ]
-    return reactions, [p.returncode for p in processes], [err for _, err in outputs]
+    args = {"victim": victim, "scenario": scenario, "mode": mode, "layout": layout}
+    return run_rank_scripts("tests.multigpu.dying_rank", world, args)
 
 
 # every scenario in both set-ups

@@ -9,17 +9,11 @@ lost a member)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 
-from ep_runtime.launch.rendezvous import LOOPBACK, host_store
 from tests.multigpu import rebalance_faults
 from tests.multigpu.rank_inputs import CaseSpec
+from tests.multigpu.rank_scripts import run_rank_scripts
 from tests.multigpu.rebalance_kill_rank import KILL_POINTS
 
 WORLD = 4
@@ -115,33 +109,8 @@ def test_the_automatic_rebalance_failing_fails_the_forward_on_every_rank(pool_fa
 
 
 def _run_killed_group(point: str) -> tuple[list[dict], list[int], list[str]]:
-    store = host_store(LOOPBACK, WORLD + 1, 60)
-    command = [sys.executable, "-m", "tests.multigpu.rebalance_kill_rank", "--world", str(WORLD)]
-    command += ["--port", str(store.port), "--victim", str(BAD), "--point", point]
-    command += ["--redundant", str(REDUNDANT)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    processes = [
-        subprocess.Popen(
-            [*command, "--rank", str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + 120
-    try:
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    reactions = [
-        json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")
-    ]
-    return reactions, [p.returncode for p in processes], [err for _, err in outputs]
+    args = {"victim": BAD, "point": point, "redundant": REDUNDANT}
+    return run_rank_scripts("tests.multigpu.rebalance_kill_rank", WORLD, args, timeout_s=120)
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
