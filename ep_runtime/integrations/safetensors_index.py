@@ -6,8 +6,7 @@ and each shard's header (``safe_open`` + ``get_slice(name).get_shape()``), never
 ``TensorReader`` reads a tensor with ``get_tensor`` or rows of it with ``get_slice`` and keeps
 at most one shard open, so a rank touches only the bytes of the tensors it asks for. It checks
 every tensor as loaded (after the cast) with one reduction, ``torch.aminmax`` (NaN propagates to
-both ends, an Inf is one of them; host tensors on a thread of their own, beside the next read),
-and lists those holding NaN or Inf as ``NonFinite``.
+both ends, an Inf is one of them), and lists those holding NaN or Inf as ``NonFinite``.
 
 Needs the ``safetensors`` package (a dependency of the ``hf`` extra's ``transformers``).
 """
@@ -19,7 +18,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,12 +320,6 @@ class TensorReader:
     _started: float = field(default_factory=time.perf_counter)
     _file: Path | None = None
     _handle: Any = None
-    # host tensors' value checks run on a thread of their own while the next tensor is read
-    # (torch's reductions release the GIL): the load's wall time does not wait for them
-    _checker: ThreadPoolExecutor | None = None
-    _pending: list[tuple[Future[bool], TensorInfo, torch.Tensor, range | None]] = field(
-        default_factory=list
-    )
 
     def read(self, info: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The whole tensor, copied to ``device`` in ``dtype`` (the caller owns the memory:
@@ -354,15 +346,8 @@ class TensorReader:
         self._record(read, started)
 
     def close(self) -> None:
-        """Close the open shard, finish the value checks and report the end of the load."""
+        """Close the open shard and report the end of the load."""
         self._close_file()
-        for checked, info, loaded, rows in self._pending:
-            if not checked.result():
-                self.nonfinite.append(NonFinite.count(info, loaded, rows))
-        self._pending.clear()
-        if self._checker is not None:
-            self._checker.shutdown()
-            self._checker = None
         self.progress(self._progress(done=True))
 
     def _open(self, file: Path) -> Any:
@@ -378,16 +363,8 @@ class TensorReader:
         self._handle, self._file = None, None
 
     def _check(self, info: TensorInfo, loaded: torch.Tensor, rows: range | None) -> None:
-        """``all_finite`` of what was loaded: on the device at once (it is the GPU's work), on
-        the host by the checker thread (``close`` collects the verdicts; nothing writes the
-        loaded tensors before then)."""
-        if loaded.device.type != "cpu":
-            if not all_finite(loaded):
-                self.nonfinite.append(NonFinite.count(info, loaded, rows))
-            return
-        if self._checker is None:
-            self._checker = ThreadPoolExecutor(1, thread_name_prefix="ep-checkpoint-check")
-        self._pending.append((self._checker.submit(all_finite, loaded), info, loaded, rows))
+        if not all_finite(loaded):
+            self.nonfinite.append(NonFinite.count(info, loaded, rows))
 
     def _record(self, read: TensorRead, started: float) -> None:
         self.reads.append(read)
