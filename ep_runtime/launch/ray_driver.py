@@ -195,7 +195,18 @@ class RaySession:
             with contextlib.suppress(Exception):
                 ray.shutdown()
             if self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                remove_dir(self.temp_dir)
+
+
+def remove_dir(path: str, within_s: float = 5.0) -> None:
+    """Remove ``path``; Ray's processes can still write their logs there for a moment after
+    ``ray.shutdown()`` (a file made during ``rmtree`` leaves the folder), so retry until it is
+    gone or ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    shutil.rmtree(path, ignore_errors=True)
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def reserve_bundles(device: str, world_size: int):
