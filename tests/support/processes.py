@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 # session dir named after the launcher's pid
 RAY_TEMP, RAY_TEMP_PREFIX = Path("/tmp"), "epray_"
 STOP_GRACE_S = 20.0  # for a stopped launcher to end its ranks and its cluster
+CLOSE_GRACE_S = 5.0  # the same at a test's teardown (what is left then is killed and removed)
 LAUNCH = [sys.executable, "-m", "ep_runtime.launch"]
 # the worktree's package in every process the launcher starts; no cluster from the environment
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")} | {
@@ -136,19 +137,20 @@ class Run:
         left = self.left_behind(wait_s)
         assert not left, f"left behind: {left}"
 
-    def stop(self) -> None:
-        """Stop the launcher as a user would: SIGTERM to it alone, then wait while it ends its
-        ranks and removes a private Ray cluster, temp dir included (a few seconds); its output
-        is read (so that it never blocks on a full pipe) and dropped."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the launcher as a user would: SIGTERM to it alone, then wait up to ``grace_s``
+        while it ends its ranks and removes a private Ray cluster, temp dir included (a few
+        seconds); its output is read (so that it never blocks on a full pipe) and dropped."""
         if self.process.poll() is None:
             self.process.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.communicate(timeout=STOP_GRACE_S)
+                self.process.communicate(timeout=grace_s)
 
     def close(self) -> None:
-        """Teardown: ``stop``, then kill whatever the run left (every process it was seen to
-        start) and remove the temp dir of a private Ray cluster it could not."""
-        self.stop()
+        """Teardown: ``stop`` (a shorter wait: a launcher that does not end by itself in time,
+        torchrun's for one, is not waited for), then kill whatever the run left (every process it
+        was seen to start) and remove the temp dir of a private Ray cluster it could not."""
+        self.stop(CLOSE_GRACE_S)
         kill_all([self.process.pid, *self.seen], grace_s=2.0)
         with contextlib.suppress(Exception):
             self.process.communicate(timeout=5)
