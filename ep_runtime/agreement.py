@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from ep_runtime.comm import Comm, PeerIdentity
 from ep_runtime.dispatch.base import Dispatcher
-from ep_runtime.dispatch.setup import PeerSetup
-from ep_runtime.experts.base import Experts
+from ep_runtime.dispatch.setup import DispatchSetup, PeerSetup
+from ep_runtime.experts.base import Experts, ExpertsSetup
 from ep_runtime.layer_spec import LayerSpec
-from ep_runtime.selection import BackendChoice
+from ep_runtime.placement import ExpertPlacement
+from ep_runtime.selection import BackendChoice, choose_backends
 from ep_runtime.types import BackendUnavailableError, EPInputError
 
 Chosen = tuple[type[Dispatcher], type[Experts], BackendChoice]
@@ -64,4 +65,36 @@ def agree_on_build(
     return PeerSetup(
         namespace=f"ep_runtime/{reports[0].nonce}",
         identities=[report.identity for report in reports],
+    )
+
+
+@dataclass(frozen=True)
+class AgreedBuild:
+    """A layer's backends as every rank agreed them, with the setups they are built for."""
+
+    dispatcher: type[Dispatcher]
+    experts: type[Experts]
+    choice: BackendChoice
+    dispatch_setup: DispatchSetup
+    experts_setup: ExpertsSetup
+    peer_setup: PeerSetup
+
+
+def agreed_backends(comm: Comm, spec: LayerSpec) -> AgreedBuild:
+    """Pick the backends for ``spec`` on ``comm`` (``selection.py``) and agree on them and the
+    settings with every rank (``agree_on_build``). Backends see physical slots."""
+    dispatch_setup = spec.dispatch_setup(comm)
+    slot_placement = ExpertPlacement(spec.num_slots, comm.rank, comm.world_size)
+    experts_setup = spec.experts_setup(slot_placement, comm.device)
+    try:
+        chosen: Chosen | BackendUnavailableError = choose_backends(
+            spec.dispatcher, spec.experts, spec.layout, dispatch_setup, experts_setup
+        )
+    except BackendUnavailableError as error:
+        chosen = error
+    peer_setup = agree_on_build(comm, spec, chosen)
+    assert not isinstance(chosen, BackendUnavailableError)
+    dispatcher_cls, experts_cls, choice = chosen
+    return AgreedBuild(
+        dispatcher_cls, experts_cls, choice, dispatch_setup, experts_setup, peer_setup
     )

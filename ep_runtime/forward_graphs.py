@@ -112,6 +112,24 @@ def _static_io(rows: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
 class ForwardGraphs:
     """One layer's captured forwards, by token count (and K and dtypes)."""
 
+    @staticmethod
+    def where_capturable(
+        policy: GraphPolicy | None,
+        dispatcher: Any,
+        experts: Any,
+        release_workspace: Callable[[], None],
+    ) -> ForwardGraphs | None:
+        """Graphs for a layer of ``dispatcher`` and ``experts`` where its forwards read nothing
+        on the host (CUDA, no peers, checks on the device, both backends capturable)."""
+        checks = dispatcher.protocol.checks
+        if policy is None or dispatcher.comm.device.type != "cuda" or checks.peers:
+            return None
+        capturable = (
+            type(dispatcher).capabilities.graph_capturable
+            and type(experts).capabilities.graph_capturable
+        )
+        return ForwardGraphs(policy, release_workspace) if checks.on_device and capturable else None
+
     def __init__(self, policy: GraphPolicy, release_workspace: Callable[[], None]) -> None:
         self.policy = policy
         self.release_workspace = release_workspace

@@ -6,35 +6,37 @@ and agreed by every rank in ``agreement.py``; this module runs the forward."""
 from __future__ import annotations
 
 import contextlib
-import warnings
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ep_runtime.agreement import agree_on_build
+from ep_runtime.agreement import agreed_backends
 from ep_runtime.comm import Comm
 from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch.cache import acquire_dispatcher, release_dispatcher
 from ep_runtime.dispatch.protocol import LayerIdentity, fingerprint_of
+from ep_runtime.elastic.rehome import WeightSource
 from ep_runtime.eplb import ExpertBalancer, PlacementMap, RebalanceReport, WeightSet
 from ep_runtime.eplb.transaction import ChangeHooks
 from ep_runtime.experts.base import Experts, check_expert_weights
 from ep_runtime.forward_graphs import DEFAULT_GRAPH_POLICY, ForwardGraphs, GraphPolicy
 from ep_runtime.layer_spec import LayerSpec, checked_device
-from ep_runtime.placement import ExpertPlacement
 from ep_runtime.quantization import Fp8BlockWeights, check_weight_quantization
 from ep_runtime.rounds import RoundBounds, bytes_per_token
-from ep_runtime.selection import choose_backends
 from ep_runtime.types import (
-    BackendUnavailableError,
     ClosedError,
     DispatchMode,
     EPInputError,
     TopkLayout,
 )
-from ep_runtime.validation import check_forward_inputs, grad_warning
+from ep_runtime.validation import InputChecker
+
+if TYPE_CHECKING:
+    from ep_runtime.elastic.group import ElasticGroup
 
 PhaseTimer = Callable[[str], AbstractContextManager[object]]  # a phase's name -> its timer
 PHASES = ("dispatch", "experts", "combine")
@@ -88,6 +90,13 @@ class EPMoE(torch.nn.Module):
         Where a forward reads nothing on the host (CUDA, world size 1, capacity mode or
         ``device_checks``, capturable backends), eager forwards of a token count met before
         replay a CUDA graph of the forward (forward_graphs.py); ``None`` runs every forward eager.
+    elastic : ElasticGroup, optional
+        The group this layer shares with the process's other elastic layers (instead of
+        ``group``): after a rank is lost, ``elastic.recover()`` (or the next forward) re-forms
+        it from the survivors and re-homes the experts (docs/elastic.md).
+    weight_source : callable, optional
+        Elastic layers: ``source(expert_ids) -> (w13 [n, rows, H], w2 [n, H, I])`` for logical
+        experts that no survivor holds after a loss (a checkpoint read, a seeded generator).
 
     Raises
     ------
@@ -114,15 +123,22 @@ class EPMoE(torch.nn.Module):
         eplb_interval: int | None = None,
         device_checks: bool = False,
         forward_graphs: GraphPolicy | None = DEFAULT_GRAPH_POLICY,
+        elastic: ElasticGroup | None = None,
+        weight_source: WeightSource | None = None,
     ) -> None:
         super().__init__()
         if forward_graphs is not None and not isinstance(forward_graphs, GraphPolicy):
             raise EPInputError("forward_graphs", "a GraphPolicy or None", repr(forward_graphs))
+        if elastic is not None and group is not None:
+            raise EPInputError("group", "None where elastic= is given (it holds the group)", group)
         self.config = config
-        self.comm = Comm.create(group, checked_device(device))
-        self.spec = LayerSpec.of(
+        self.elastic = elastic
+        self.weight_source = weight_source
+        self._graph_policy = forward_graphs
+        comm = Comm.create(elastic.group if elastic is not None else group, checked_device(device))
+        spec = LayerSpec.of(
             config,
-            self.comm.device,
+            comm.device,
             dispatcher=dispatcher,
             experts=experts,
             layout=layout,
@@ -132,59 +148,65 @@ class EPMoE(torch.nn.Module):
             num_redundant_experts=num_redundant_experts,
             eplb_interval=eplb_interval,
             device_checks=device_checks,
-        )
-        self.eplb = ExpertBalancer(
-            self.comm, config.num_experts, num_redundant_experts, eplb_interval
+            elastic=elastic is not None,
         )
         self.phase_timer: PhaseTimer | None = None  # the launcher times each phase in a `with`
-        dispatch_setup = self.spec.dispatch_setup(self.comm)  # backends see physical slots
-        slot_placement = ExpertPlacement(self.spec.num_slots, self.comm.rank, self.comm.world_size)
-        experts_setup = self.spec.experts_setup(slot_placement, self.comm.device)
-        try:
-            chosen = choose_backends(
-                self.spec.dispatcher,
-                self.spec.experts,
-                self.spec.layout,
-                dispatch_setup,
-                experts_setup,
-            )
-        except BackendUnavailableError as error:
-            chosen = error
-        peer_setup = agree_on_build(self.comm, self.spec, chosen)
-        assert not isinstance(chosen, BackendUnavailableError)
-        dispatcher_cls, experts_cls, self.choice = chosen
-        self.layout = self.choice.layout
-        self._new_experts = lambda: experts_cls(experts_setup)
+        self._build(comm, spec, None)
+        self._closed = False
+        if elastic is not None:
+            elastic.register(self)
+
+    def _build(self, comm: Comm, spec: LayerSpec, placement: PlacementMap | None) -> None:
+        """Everything that depends on the group: balancer, backends (agreed by every rank),
+        the shared dispatcher, round bounds, graphs. ``placement``: the balancer's first map
+        (None: the initial one). Built again on a re-formed group (ep_runtime/elastic/)."""
+        self.comm, self.spec = comm, spec
+        self.eplb = ExpertBalancer(
+            comm, spec.config.num_experts, spec.num_redundant_experts, spec.eplb_interval, placement
+        )
+        build = agreed_backends(comm, spec)
+        self.choice, self.layout = build.choice, build.choice.layout
+        self._new_experts = lambda: build.experts(build.experts_setup)
         self.experts = self._new_experts()
-        self.dispatcher = acquire_dispatcher(dispatcher_cls, dispatch_setup, peer_setup)
-        self.eplb.bind(self.dispatcher.comm, [identity.host for identity in peer_setup.identities])
+        self.dispatcher = acquire_dispatcher(
+            build.dispatcher, build.dispatch_setup, build.peer_setup
+        )
+        identities = build.peer_setup.identities
+        self.eplb.bind(self.dispatcher.comm, [identity.host for identity in identities])
         self.identity = LayerIdentity(self._fingerprint(), self.dispatcher.register_layer())
         self.rounds = RoundBounds.of(  # exact mode's bounds on the tokens of one round
-            self.spec.max_tokens_per_rank,
+            spec.max_tokens_per_rank,
             self.dispatcher.max_round_tokens,
-            bytes_per_token(self.spec.config, self.comm.world_size),
-            self.comm.device,
+            bytes_per_token(spec.config, comm.world_size),
+            comm.device,
         )
-        self._closed = False
         self._weights_loaded = False
-        self._warned_about_grad = False
         # read by every forward: resolved once here
-        self._capacity = self.spec.mode is DispatchMode.CAPACITY
-        self._input_cap = self.spec.max_tokens_per_rank if self._capacity else None
-        self.graphs = self._forward_graphs(forward_graphs)
+        self._capacity = spec.mode is DispatchMode.CAPACITY
+        input_cap = spec.max_tokens_per_rank if self._capacity else None
+        self._inputs = InputChecker(spec.config, spec.dtype, comm.device, input_cap)
+        self.graphs = self._forward_graphs(self._graph_policy)
+
+    def _rejoin(
+        self, group: dist.ProcessGroup, placement: PlacementMap, w13: torch.Tensor, w2: torch.Tensor
+    ) -> None:
+        """Serve on a re-formed group (ep_runtime/elastic/): the old dispatcher let go (its
+        group is gone), the layer built again with ``placement`` and this rank's new slots."""
+        release_dispatcher(self.dispatcher)
+        spec = dataclasses.replace(self.spec, num_redundant_experts=placement.num_redundant)
+        try:
+            self._build(Comm.create(group, self.device), spec, placement)
+        except BaseException:
+            if self.eplb.placement is placement:  # what it holds stays what its map says
+                self.eplb.keep_weights(w13, w2, given=(w13, w2))
+            raise
+        self.load_weights(w13, w2, weights_are="slots")
 
     def _forward_graphs(self, policy: GraphPolicy | None) -> ForwardGraphs | None:
-        """The layer's CUDA graphs of its eager forwards, where nothing in them reads the host."""
-        checks = self.dispatcher.protocol.checks
-        capturable = (
-            type(self.dispatcher).capabilities.graph_capturable
-            and type(self.experts).capabilities.graph_capturable
-        )
-        if policy is None or self.device.type != "cuda" or checks.peers or not checks.on_device:
-            return None
-        # the backend serving at the time (a rebalance may replace it)
-        return (
-            ForwardGraphs(policy, lambda: self.experts.release_workspace()) if capturable else None
+        """The layer's CUDA graphs of its eager forwards, where nothing in them reads the host
+        (releasing the workspace of the backend serving at the time: a rebalance may swap it)."""
+        return ForwardGraphs.where_capturable(
+            policy, self.dispatcher, self.experts, lambda: self.experts.release_workspace()
         )
 
     def _fingerprint(self) -> int:
@@ -397,33 +419,11 @@ class EPMoE(torch.nn.Module):
         return 1  # a world of one
 
     def _input_error(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        out: torch.Tensor | None,
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
     ) -> BaseException | None:
-        try:
-            if not self._weights_loaded:
-                raise RuntimeError("EPMoE.load_weights() must be called before forward()")
-            check_forward_inputs(
-                x,
-                topk_ids,
-                topk_weights,
-                config=self.config,
-                dtype=self.spec.dtype,
-                device=self.comm.device,
-                capacity=self._input_cap,
-                out=out,
-            )
-        except Exception as error:
-            return error
-        if not self._warned_about_grad:
-            warning = grad_warning(x=x, topk_weights=topk_weights)
-            if warning is not None:
-                self._warned_about_grad = True
-                warnings.warn(warning, stacklevel=3)
-        return None
+        if not self._weights_loaded:
+            return RuntimeError("EPMoE.load_weights() must be called before forward()")
+        return self._inputs.error(x, ids, weights, out)
 
     def _forward_chunk(
         self,
@@ -482,10 +482,13 @@ class EPMoE(torch.nn.Module):
             release_dispatcher(self.dispatcher)
 
     def _check_open(self) -> None:
+        """Refuse a closed layer; an elastic layer whose group lost a rank recovers first."""
         if self._closed:
             raise ClosedError(
                 f"EPMoE (rank {self.comm.rank} of {self.comm.world_size}) used after close()"
             )
+        if self.elastic is not None and self.elastic.needs_recovery():
+            self.elastic.recover()
 
     def extra_repr(self) -> str:
         c = self.config

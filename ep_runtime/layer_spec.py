@@ -54,6 +54,8 @@ class LayerSpec:
     # capacity mode, instead of one host read per forward (for ids from route() or an HF
     # router's top-k: always valid)
     device_checks: bool = False
+    # built on an ElasticGroup: only backends that can be built again on a re-formed group
+    elastic: bool = False
 
     @classmethod
     def of(
@@ -70,6 +72,7 @@ class LayerSpec:
         num_redundant_experts: int = 0,
         eplb_interval: int | None = None,
         device_checks: bool = False,
+        elastic: bool = False,
     ) -> LayerSpec:
         """The spec of ``EPMoE``'s arguments on ``device``; ``EPInputError`` naming a bad one."""
         try:
@@ -86,6 +89,12 @@ class LayerSpec:
                 "0 and no eplb_interval with quantization='fp8_block' (rebalancing moves "
                 "unquantized weights only, for now)",
                 f"{num_redundant_experts} (eplb_interval={eplb_interval})",
+            )
+        if elastic and config.quantization is not None:
+            raise EPInputError(
+                "elastic",
+                "a layer with unquantized weights (re-homing moves unquantized weights only)",
+                config.quantization,
             )
         cap = config.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
         check_token_bound(cap)
@@ -104,6 +113,7 @@ class LayerSpec:
             num_redundant_experts=num_redundant_experts,
             eplb_interval=eplb_interval,
             device_checks=bool(device_checks),
+            elastic=bool(elastic),
         )
 
     @property
@@ -134,6 +144,7 @@ class LayerSpec:
             poison=self.poison,
             quantization=self.config.quantization,
             device_checks=self.device_checks,
+            elastic=self.elastic,
         )
 
     def experts_setup(self, placement: ExpertPlacement, device: torch.device) -> ExpertsSetup:

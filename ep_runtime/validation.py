@@ -6,6 +6,8 @@ the failure on the error path."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ep_runtime.config import MoEConfig
@@ -66,6 +68,40 @@ def check_forward_inputs(
             f"shape {list(x.shape)}, dtype {x.dtype} on {x.device} (as x)",
             f"shape {list(out.shape)}, dtype {out.dtype} on {out.device}",
         )
+
+
+class InputChecker:
+    """A layer's check of every forward's inputs (``check_forward_inputs``), returning the error
+    rather than raising it (the peers learn it first), and its one-time grad warning."""
+
+    def __init__(
+        self, config: MoEConfig, dtype: torch.dtype, device: torch.device, capacity: int | None
+    ) -> None:
+        self.config, self.dtype, self.device, self.capacity = config, dtype, device, capacity
+        self._warned_about_grad = False
+
+    def error(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
+    ) -> BaseException | None:
+        try:
+            check_forward_inputs(
+                x,
+                ids,
+                weights,
+                config=self.config,
+                dtype=self.dtype,
+                device=self.device,
+                capacity=self.capacity,
+                out=out,
+            )
+        except Exception as error:
+            return error
+        if not self._warned_about_grad:
+            warning = grad_warning(x=x, topk_weights=weights)
+            if warning is not None:
+                self._warned_about_grad = True
+                warnings.warn(warning, stacklevel=4)
+        return None
 
 
 def grad_warning(**tensors: torch.Tensor) -> str | None:

@@ -13,6 +13,7 @@ import pytest
 
 import ep_runtime
 from ep_runtime.dispatch.deepep_v2 import DeepEPUnavailableError
+from ep_runtime.elastic import CountedOutError, LostExpertsError, RecoveryError
 from ep_runtime.integrations.transformers import UnsupportedMoEBlockError
 from ep_runtime.launch.spec import LaunchError, RankFailure
 from ep_runtime.types import (
@@ -38,6 +39,9 @@ EXAMPLES: dict[type[BaseException], BaseException] = {
         {1: "runs layer 1 (settings 0x1f)"}, "rank 0 is in dispatch of forward #4 of layer 0"
     ),
     GroupUnusableError: GroupUnusableError("all_to_all: the group's store is unreachable"),
+    CountedOutError: CountedOutError("this rank (original rank 2) joined generation 1 late"),
+    LostExpertsError: LostExpertsError(3, (4, 5)),
+    RecoveryError: RecoveryError("recovery gave up after 30 s: forming generation 3 failed"),
     UnsupportedMoEBlockError: UnsupportedMoEBlockError(
         "model.layers.0.mlp", "a Qwen3-MoE, Mixtral or DeepSeek-V2/V3 block", "FooMoEBlock"
     ),

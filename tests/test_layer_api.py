@@ -112,6 +112,7 @@ def test_the_agreed_settings_are_every_option_once(options) -> None:
             "num_redundant_experts": "0",
             "eplb_interval": "none",
             "device_checks": str(options.get("device_checks", False)),
+            "elastic": "False",
         }
         assert layer.spec.settings() == expected
         # the headers carry the settings and the placement (a rebalance changes the latter)

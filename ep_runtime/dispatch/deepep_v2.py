@@ -196,6 +196,7 @@ class DeepEPV2Dispatcher(Dispatcher[DeepEPPacked, DeepEPHandle, torch.Tensor]):
         modes=frozenset(DispatchMode),
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.bfloat16}),  # combine is bf16-only (buffer.hpp combine)
+        rebuilds_on_new_group=True,
     )
     auto_priority = 10
     expert_alignment: ClassVar[int] = 1  # EXPANDED group alignment (DeepEP's expert_alignment)

@@ -53,6 +53,7 @@ class LocalDispatcher(Dispatcher[LocalPacked, LocalHandle, torch.Tensor]):
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         max_world_size=1,
         graph_capturable=True,
+        rebuilds_on_new_group=True,
     )
     auto_priority = 20  # above deepep_v2's 10: at a world of one nothing needs a transport
 

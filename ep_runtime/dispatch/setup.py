@@ -26,6 +26,8 @@ class DispatcherCapabilities:
     max_world_size: int | None = None  # None: no bound
     # at world size one with device checks nothing is read on the host: CUDA-graph capturable
     graph_capturable: bool = False
+    # can be built again on a re-formed group after a rank loss (an elastic layer's backends)
+    rebuilds_on_new_group: bool = False
 
     def refusal(self, setup: DispatchSetup, layout: TopkLayout | None) -> str | None:
         """Why these capabilities do not cover ``setup`` (and ``layout``, when given)."""
@@ -41,6 +43,8 @@ class DispatcherCapabilities:
             return f"needs a group of >= {self.min_world_size} ranks, got {setup.comm.world_size}"
         if self.max_world_size is not None and setup.comm.world_size > self.max_world_size:
             return f"runs in a group of <= {self.max_world_size} ranks, got {setup.comm.world_size}"
+        if setup.elastic and not self.rebuilds_on_new_group:
+            return "cannot be built again on a re-formed group (elastic=...)"
         return None
 
 
@@ -61,6 +65,7 @@ class DispatchSetup:
     quantization: Quantization | None = None
     # exact mode without peers: ids checked on the device (raised by check()), no host read
     device_checks: bool = False
+    elastic: bool = False  # an elastic layer's: backends that rebuild on a re-formed group only
 
     @property
     def placement(self) -> ExpertPlacement:

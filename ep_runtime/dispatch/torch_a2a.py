@@ -26,5 +26,6 @@ class TorchAllToAll(RowDispatcher):
         device_types=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         graph_capturable=True,
+        rebuilds_on_new_group=True,
     )
     auto_priority = 0

@@ -112,10 +112,14 @@ def rebalanced_placement(
     *,
     num_nodes: int = 1,
     num_groups: int | None = None,
+    holders: Sequence[Sequence[int]] | None = None,
 ) -> PlacementMap:
     """A new map for the measured per-logical-expert ``load [E]`` (any non-negative numbers):
     hierarchical when ``hierarchical_applies`` (``num_groups`` None: every expert its own
-    group), global otherwise. Experts that stay on a rank keep their slots in ``old``."""
+    group), global otherwise. Experts that stay on a rank keep their slots in ``old``.
+    ``holders``: the experts each rank holds now, where that is not ``old`` (a group re-formed
+    after a rank loss: ``old`` only gives the new shape); packs go to the ranks holding most of
+    their experts, which keep them in their first slots."""
     num_logical, world_size = old.num_logical, old.world_size
     values = [float(v) for v in (load.tolist() if isinstance(load, torch.Tensor) else load)]
     if len(values) != num_logical:
@@ -125,7 +129,11 @@ def rebalanced_placement(
     if num_groups is not None and (num_groups < 1 or num_logical % num_groups != 0):
         raise EPInputError("num_groups", f"a divisor of {num_logical}", num_groups)
     old_ranks = [old.experts_on_rank(r) for r in range(world_size)]
-    if hierarchical_applies(num_logical, world_size, num_nodes, num_groups):
+    if holders is not None:
+        if len(holders) != world_size:
+            raise EPInputError("holders", f"{world_size} ranks' experts", len(holders))
+        old_ranks = [_held_in_slots(held, old.slots_per_rank) for held in holders]
+    if holders is None and hierarchical_applies(num_logical, world_size, num_nodes, num_groups):
         rank_packs = _hierarchical_packs(values, old, num_nodes, num_groups or num_logical)
     else:
         packs = _replicated_packs(list(range(num_logical)), values, old.num_physical, world_size)
@@ -136,6 +144,12 @@ def rebalanced_placement(
         for expert in _keep_slots(old_ranks[rank], rank_packs[rank])
     ]
     return PlacementMap(num_logical, old.num_redundant, world_size, tuple(physical_to_logical))
+
+
+def _held_in_slots(held: Sequence[int], num_slots: int) -> tuple[int, ...]:
+    """A rank's held experts as ``num_slots`` slot contents (-1: a slot holding nothing yet)."""
+    kept = tuple(held[:num_slots])
+    return kept + (-1,) * (num_slots - len(kept))
 
 
 def _hierarchical_packs(

@@ -37,13 +37,16 @@ class ExpertBalancer:
         num_experts: int,
         num_redundant_experts: int,
         interval: int | None = None,
+        placement: PlacementMap | None = None,
     ) -> None:
         if interval is not None and (
             not isinstance(interval, int) or isinstance(interval, bool) or interval < 1
         ):
             raise EPInputError("eplb_interval", "a positive int or None", interval)
         self.comm = comm
-        self.placement = PlacementMap.initial(num_experts, num_redundant_experts, comm.world_size)
+        self.placement = placement or PlacementMap.initial(
+            num_experts, num_redundant_experts, comm.world_size
+        )
         self.device_map = DeviceMap(self.placement, comm.device)
         self.interval = interval
         self.num_nodes = 1
