@@ -17,53 +17,77 @@ from ep_runtime.dispatch.setup import DispatchSetup
 from ep_runtime.elastic import ElasticGroup
 from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 from ep_runtime.tolerance import compare_per_token, tolerance_for
-from ep_runtime.types import DispatchMode, EPInputError
+from ep_runtime.types import BackendUnavailableError, DispatchMode, EPInputError
 
-CONFIG = MoEConfig(
-    num_experts=6, top_k=2, hidden_size=32, intermediate_size=16, dtype=torch.float32
+# H 256: every dispatcher serves it (DeepEP V2 needs H % 256); bf16 on CUDA, fp32 on CPU
+CONFIG = MoEConfig(num_experts=6, top_k=2, hidden_size=256, intermediate_size=64)
+# (device, dispatcher): NCCL on a GPU for every dispatcher that rebuilds, gloo on CPU
+WHERE = [("cpu", "torch_a2a"), ("cpu", "local")] + (
+    [("cuda", "torch_a2a"), ("cuda", "local"), ("cuda", "deepep_v2")]
+    if torch.cuda.is_available()
+    else []
 )
+
+
+def elastic_group(device: str) -> ElasticGroup:
+    server = host_store(LOOPBACK, None, 30)
+    elastic = ElasticGroup(join_store(LOOPBACK, server.port, None, 30), 0, 1, device=device)
+    elastic.server = server  # the store's server lives as long as the group
+    return elastic
 
 
 @pytest.fixture
 def group():
-    server = host_store(LOOPBACK, None, 30)
-    elastic = ElasticGroup(join_store(LOOPBACK, server.port, None, 30), 0, 1, device="cpu")
-    yield elastic
+    yield elastic_group("cpu")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def weights():
+def weights(device, dtype):
     generator = torch.Generator().manual_seed(3)
-    w13 = torch.randn(6, 32, 32, generator=generator) / 6
-    w2 = torch.randn(6, 32, 16, generator=generator) / 4
-    return w13, w2
+    w13 = torch.randn(6, 128, 256, generator=generator) / 16
+    w2 = torch.randn(6, 256, 64, generator=generator) / 8
+    return w13.to(device, dtype), w2.to(device, dtype)
 
 
 def matches(layer, seed):
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(20, 32, generator=generator)
+    x = torch.randn(20, 256, generator=generator).to(layer.device, layer.dtype)
     ids, gate = route(torch.randn(20, 6, generator=generator), top_k=2)
-    w13, w2 = weights()
-    comparison = compare_per_token(
-        layer(x, ids, gate), reference_moe(x, ids, gate, w13, w2), tolerance_for(x.dtype, 32)
-    )
-    return comparison.passed
+    ids, gate = ids.to(layer.device), gate.to(layer.device)
+    w13, w2 = weights(layer.device, layer.dtype)
+    out = layer(x, ids, gate)
+    layer.check()
+    expected = reference_moe(x, ids, gate, w13, w2)
+    return compare_per_token(out, expected, tolerance_for(layer.dtype, 256)).passed
 
 
 @pytest.mark.parametrize("mode", ["exact", "capacity"])
-def test_a_layer_rebuilds_on_a_reformed_group_and_still_serves(group, mode):
-    w13, w2 = weights()
-    layer = EPMoE(
-        CONFIG,
-        dispatcher="torch_a2a",
-        experts="grouped_mm",
-        mode=mode,
-        max_tokens_per_rank=32,
-        num_redundant_experts=2,
-        elastic=group,
-        weight_source=lambda ids: (w13[list(ids)], w2[list(ids)]),
-    )
+@pytest.mark.parametrize(("device", "dispatcher"), WHERE)
+def test_a_layer_rebuilds_on_a_reformed_group_and_still_serves(device, dispatcher, mode):
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    group = elastic_group(device)
+    try:
+        serve_rebuild_serve(group, dispatcher, mode)
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_rebuild_serve(group: ElasticGroup, dispatcher: str, mode: str) -> None:
+    try:
+        layer = EPMoE(
+            CONFIG,
+            dispatcher=dispatcher,
+            mode=mode,
+            max_tokens_per_rank=32,
+            num_redundant_experts=2,
+            elastic=group,
+            weight_source=lambda ids: tuple(w[list(ids)] for w in weights("cpu", torch.float32)),
+        )
+    except BackendUnavailableError as error:
+        pytest.skip(f"expected refusal: {error}")
+    w13, w2 = weights(layer.device, layer.dtype)
     layer.load_weights(w13, w2)
     assert matches(layer, 1)
     dispatcher = layer.dispatcher
@@ -82,9 +106,7 @@ def test_a_layer_rebuilds_on_a_reformed_group_and_still_serves(group, mode):
 def test_elastic_refuses_a_group_argument_and_quantized_weights(group):
     with pytest.raises(EPInputError, match="group"):
         EPMoE(CONFIG, group=dist.group.WORLD, elastic=group)
-    fp8 = dataclasses.replace(
-        CONFIG, hidden_size=128, intermediate_size=128, quantization="fp8_block"
-    )
+    fp8 = dataclasses.replace(CONFIG, intermediate_size=128, quantization="fp8_block")
     with pytest.raises(EPInputError, match="elastic"):
         EPMoE(fp8, elastic=group)
 
