@@ -26,8 +26,8 @@ from ep_runtime.eplb.moves import flat_rows
 from ep_runtime.eplb.placement_map import PlacementMap
 from ep_runtime.types import EPInputError
 
-# ``source(expert_ids) -> (w13 [n, rows, H], w2 [n, H, I])``: the layer's logical experts
-WeightSource = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+# ``source(expert_ids: list[int]) -> (w13 [n, rows, H], w2 [n, H, I])``: logical experts
+WeightSource = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LostExpertsError(RuntimeError):
