@@ -25,6 +25,7 @@ from ep_runtime.launch.network import apply_interface_defaults
 from ep_runtime.launch.rendezvous import LOOPBACK, join_store
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 from tests.multigpu.rank_inputs import CaseSpec, make_weights
+from tests.multigpu.rebalance_faults import slots_hold_their_experts
 
 KILLED_AT = "elastic_test/killed_at/"
 
@@ -56,16 +57,6 @@ def correct(layer: EPMoE, spec: CaseSpec, forward: int, rank: int) -> bool:
     layer.check()
     tolerance = tolerance_for(spec.dtype, max(spec.hidden, spec.intermediate))
     return compare_per_token(out, ref, tolerance, scale).passed
-
-
-def slots_hold_their_experts(layer: EPMoE, spec: CaseSpec) -> bool:
-    w13, w2 = make_weights(spec)
-    slot13, slot2 = layer.eplb.slot_weights
-    experts = layer.placement.experts_on_rank(layer.comm.rank)
-    return all(
-        torch.equal(slot13[i], w13[e]) and torch.equal(slot2[i], w2[e])
-        for i, e in enumerate(experts)
-    )
 
 
 def main() -> None:
