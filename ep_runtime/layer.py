@@ -168,6 +168,7 @@ class EPMoE(torch.nn.Module):
         self.choice, self.layout = build.choice, build.choice.layout
         self._new_experts = lambda: build.experts(build.experts_setup)
         self.experts = self._new_experts()
+        self._left_group = False
         self.dispatcher = acquire_dispatcher(
             build.dispatcher, build.dispatch_setup, build.peer_setup
         )
@@ -190,9 +191,8 @@ class EPMoE(torch.nn.Module):
     def _rejoin(
         self, group: dist.ProcessGroup, placement: PlacementMap, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
-        """Serve on a re-formed group (ep_runtime/elastic/): the old dispatcher let go (its
-        group is gone), the layer built again with ``placement`` and this rank's new slots."""
-        release_dispatcher(self.dispatcher)
+        """Serve on a re-formed group (ep_runtime/elastic/) with ``placement`` and new slots."""
+        self._leave_group()
         spec = dataclasses.replace(self.spec, num_redundant_experts=placement.num_redundant)
         try:
             self._build(Comm.create(group, self.device), spec, placement)
@@ -201,6 +201,12 @@ class EPMoE(torch.nn.Module):
                 self.eplb.keep_weights(w13, w2, given=(w13, w2))
             raise
         self.load_weights(w13, w2, weights_are="slots")
+
+    def _leave_group(self) -> None:
+        """Let go of the dispatcher while its group exists (DeepEP's buffer goes before it)."""
+        if not self._left_group:
+            self._left_group = True
+            release_dispatcher(self.dispatcher)
 
     def _forward_graphs(self, policy: GraphPolicy | None) -> ForwardGraphs | None:
         """The layer's CUDA graphs of its eager forwards, where nothing in them reads the host
@@ -464,22 +470,16 @@ class EPMoE(torch.nn.Module):
         """Raise failures recorded on the device since the last check (capacity mode on CUDA:
         ids this rank dropped, and a peer's failure). One host sync."""
         self._check_open()
-        recorded = self.dispatcher.take_recorded()
-        if recorded.bad_ids:
-            raise EPInputError(
-                "topk_ids",
-                f"distinct values in [0, {self.config.num_experts}) or -1 per row",
-                f"{recorded.bad_ids} out-of-range or repeated ids (replaced by -1)",
-            )
-        recorded.raise_peer_failure()
+        self.dispatcher.take_recorded().raise_failures(self.config.num_experts)
 
     def close(self) -> None:
         """Release the shared dispatcher (its buffers go with the last user); peers waiting in
         this layer's forward are told."""
         if not self._closed:
             self._closed = True
-            self.dispatcher.release_layer(self.identity.index)
-            release_dispatcher(self.dispatcher)
+            if not self._left_group:
+                self.dispatcher.release_layer(self.identity.index)
+            self._leave_group()
 
     def _check_open(self) -> None:
         """Refuse a closed layer; an elastic layer whose group lost a rank recovers first."""

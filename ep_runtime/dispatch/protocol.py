@@ -330,6 +330,16 @@ class Recorded:
     seq: int
     bad_ids: int
 
+    def raise_failures(self, num_experts: int) -> None:
+        """This rank's dropped ids (``E = num_experts``) first, then a peer's failure."""
+        if self.bad_ids:
+            raise EPInputError(
+                "topk_ids",
+                f"distinct values in [0, {num_experts}) or -1 per row",
+                f"{self.bad_ids} out-of-range or repeated ids (replaced by -1)",
+            )
+        self.raise_peer_failure()
+
     def raise_peer_failure(self) -> None:
         if self.status:
             reason = f"{self.status.name} in forward #{self.seq} (recorded on the device)"

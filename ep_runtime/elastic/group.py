@@ -204,6 +204,9 @@ class ElasticGroup:
         self._recovering = True
         try:
             return self._recover()
+        except BaseException as error:  # the layers left their group: the next call recovers
+            self._failure = error
+            raise
         finally:
             self._recovering = False
 
@@ -222,6 +225,8 @@ class ElasticGroup:
                 self.timeout_s,
             )
             members_s = time.monotonic() - start
+            for layer in self.layers():  # buffers go before the group they were made on
+                layer._leave_group()
             try:
                 self._form(membership)
             except Exception as error:  # a member died before the group formed
