@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,29 @@ from ep_runtime.eplb.stats import LoadStats
 from ep_runtime.types import EPInputError, GroupUnusableError
 
 if TYPE_CHECKING:
-    from ep_runtime.layer import EPMoE
+    from ep_runtime.config import MoEConfig
+    from ep_runtime.dispatch.base import Dispatcher
+    from ep_runtime.elastic.rehome import WeightSource
+    from ep_runtime.eplb import ExpertBalancer
+    from ep_runtime.layer_spec import LayerSpec
+
+
+class ElasticMember(Protocol):
+    """What a recovery reads and calls of a layer built on the group (``EPMoE``)."""
+
+    config: MoEConfig
+    spec: LayerSpec
+    eplb: ExpertBalancer
+    dispatcher: Dispatcher
+    weight_source: WeightSource | None
+    _closed: bool
+
+    def _leave_group(self) -> None: ...
+
+    def _rejoin(
+        self, group: dist.ProcessGroup, placement: PlacementMap, w13: torch.Tensor, w2: torch.Tensor
+    ) -> None: ...
+
 
 FORM_TIMEOUT_S = 10.0  # forming a generation's group: a member that died meanwhile fails it
 RECOVERY_BUDGET_S = 30.0  # attempts (a death during a recovery) start only within this
@@ -118,7 +140,7 @@ class ElasticGroup:
         self.members: tuple[int, ...] = tuple(range(world_size))
         self.serving = self.members  # the members the layers were last built on
         self.recoveries: list[Recovery] = []
-        self._layers: list[weakref.ref[EPMoE]] = []
+        self._layers: list[weakref.ref[ElasticMember]] = []
         self._failure: BaseException | None = None  # a recovery that failed to commit
         self._recovering = False
         self._identities: dict[int, PeerIdentity] = {}
@@ -137,11 +159,11 @@ class ElasticGroup:
     def world_size(self) -> int:
         return len(self.members)
 
-    def register(self, layer: EPMoE) -> None:
+    def register(self, layer: ElasticMember) -> None:
         """A layer built on this group; recoveries rebuild it (in registration order)."""
         self._layers.append(weakref.ref(layer))
 
-    def layers(self) -> list[EPMoE]:
+    def layers(self) -> list[ElasticMember]:
         """The registered layers still open, in registration order."""
         alive = [ref() for ref in self._layers]
         return [layer for layer in alive if layer is not None and not layer._closed]
@@ -331,7 +353,7 @@ class ElasticGroup:
         self.serving = self.members
 
 
-def _holding(layer: EPMoE) -> Holding:
+def _holding(layer: ElasticMember) -> Holding:
     balancer = layer.eplb
     config = layer.config
     experts = balancer.local_experts if balancer.has_weights else ()
@@ -341,7 +363,11 @@ def _holding(layer: EPMoE) -> Holding:
 
 
 def _layer_report(
-    index: int, layer: EPMoE, plan: RehomePlan, lost: tuple[int, ...], previous: tuple[int, ...]
+    index: int,
+    layer: ElasticMember,
+    plan: RehomePlan,
+    lost: tuple[int, ...],
+    previous: tuple[int, ...],
 ) -> LayerRecovery:
     """``lost``: original ranks of ``previous`` (the lost group's members, by its ranks) left
     out; their experts came back from replicas or the weight source."""
