@@ -1,7 +1,8 @@
 """The parts of elastic transformers models that need no group: the KV-cache rollback of a forward
-that failed part-way, the expert sources a recovery reads (a checkpoint's: only the experts asked
-for; the seeded random model's), and the refusal of an ``expert_source`` without ``elastic``.
-The group run (a rank SIGKILLed mid-generation) is tests/multigpu/test_elastic_hf_generation.py."""
+that failed part-way and of a step another survivor did not finish, the expert sources a recovery
+reads (a checkpoint's: only the experts asked for; the seeded random model's), and the refusal of
+an ``expert_source`` without ``elastic``. The group run (a rank SIGKILLed mid-generation) is
+tests/multigpu/test_elastic_hf_generation.py."""
 
 from __future__ import annotations
 
@@ -80,6 +81,32 @@ def test_a_failed_forwards_cache_entries_are_cropped_layer_by_layer(reference) -
     assert compare_per_token(cropped, expected, tolerance).passed
     kept = decode_with_a_failed_step(reference, 4, crop=False)  # negative control
     assert not compare_per_token(kept, expected, tolerance).passed
+
+
+@pytest.mark.parametrize("done", [1, 3], ids=["prefill", "decode"])
+def test_a_step_another_survivor_did_not_finish_is_undone_and_run_again(
+    reference, done: int
+) -> None:
+    """After a recovery the survivors go back to the last step all of them completed: here
+    this rank finished step ``done``, another survivor failed inside it (``least``)."""
+    from ep_runtime.integrations.transformers.generation import _Decoder
+
+    model = copy.deepcopy(reference)
+    report = patch_moe_blocks(model, dispatcher="torch_a2a")
+    decoder = _Decoder(model, report, torch.tensor(PROMPT), 5, set())
+    with torch.no_grad():
+        for _ in range(done):
+            assert decoder.step(None)
+        report.least = lambda steps: steps - 1
+        decoder.resume()
+        assert (decoder.steps, len(decoder.tokens), decoder.retried_steps) == (done - 1,) * 2 + (2,)
+        while decoder.step(None):
+            pass
+    tokens, expected = hf_greedy(reference, PROMPT, 5, [])
+    assert decoder.tokens == tokens and decoder.steps == 5
+    _, hidden, intermediate = moe_shape(reference)
+    tolerance = tolerance_for(torch.float32, max(hidden, intermediate))
+    assert compare_per_token(torch.stack(decoder.rows), expected, tolerance).passed
 
 
 def _checkpoint_source(path: Path, world_size: int):

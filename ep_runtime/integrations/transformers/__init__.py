@@ -21,13 +21,13 @@ the step again, so their requests end with the tokens they would have had.
 
 Needs the ``hf`` extra (``transformers``); written and tested against transformers 5.24.
 
-One job a module: ``architectures`` (the supported blocks, their router readers), ``patching``
-(``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``report`` (``PatchReport``,
-the handle of lockstep loops), ``graphs`` (the blocks' decode forwards as CUDA graphs,
-``cuda_graph_tokens``), ``generation`` (``greedy_generate``, ``MoEClock``), ``models`` (random
-tiny models, among them FP8 experts, their ``RandomExpertSource``, ``load_model``, ``eos_ids``;
-the only one that imports ``transformers``) and ``fp8`` (whether an unpatched model's FP8
-experts run here, the contract's math as their forward where they do not).
+One job a module: ``architectures`` (the supported blocks, their router readers), ``block``
+(``EPMoEBlock``), ``patching`` (``patch_moe_blocks``, the expert-weight fusion), ``report``
+(``PatchReport``, the handle of lockstep loops), ``graphs`` (the blocks' decode forwards as CUDA
+graphs, ``cuda_graph_tokens``), ``generation`` (``greedy_generate``, ``MoEClock``), ``models``
+(random tiny models, among them FP8 experts, their ``RandomExpertSource``, ``load_model``,
+``eos_ids``; the only one that imports ``transformers``) and ``fp8`` (whether an unpatched
+model's FP8 experts run here, the contract's math as their forward where they do not).
 """
 
 from ep_runtime.integrations.transformers.architectures import (
@@ -38,6 +38,7 @@ from ep_runtime.integrations.transformers.architectures import (
     UnsupportedMoEBlockError,
     architecture_of,
 )
+from ep_runtime.integrations.transformers.block import EPMoEBlock
 from ep_runtime.integrations.transformers.generation import GreedyResult, MoEClock, greedy_generate
 from ep_runtime.integrations.transformers.models import (
     FP8_RANDOM_MODELS,
@@ -52,7 +53,6 @@ from ep_runtime.integrations.transformers.models import (
     require_transformers,
 )
 from ep_runtime.integrations.transformers.patching import (
-    EPMoEBlock,
     ExpertSource,
     find_moe_blocks,
     patch_moe_blocks,

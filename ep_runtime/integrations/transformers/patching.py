@@ -1,10 +1,10 @@
-"""``EPMoEBlock`` (a HF sparse-MoE block's router, an ``EPMoE`` shard and its shared experts)
-and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
-the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard. FP8 experts
-(transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they are: e4m3
-weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``. On an ``ElasticGroup``
-each block's ``EPMoE`` is elastic, its weight source the caller's ``expert_source`` for that
-block (the HF expert tensors are freed, so lost experts must be read again from elsewhere)."""
+"""``patch_moe_blocks``, which swaps an ``EPMoEBlock`` (block.py) in for every supported block
+and fuses/checks the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard.
+FP8 experts (transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they
+are: e4m3 weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``. On an
+``ElasticGroup`` each block's ``EPMoE`` is elastic, its weight source the caller's
+``expert_source`` for that block (the HF expert tensors are freed, so lost experts must be read
+again from elsewhere)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from torch import nn
 from ep_runtime.config import MoEConfig
 from ep_runtime.integrations.transformers.architectures import (
     SUPPORTED_BLOCKS,
-    RouterSettings,
     UnsupportedMoEBlockError,
     architecture_of,
 )
+from ep_runtime.integrations.transformers.block import EPMoEBlock
 from ep_runtime.integrations.transformers.graphs import BlockGraphs, check_graph_option
 from ep_runtime.integrations.transformers.report import PatchedBlock, PatchReport
 from ep_runtime.layer import EPMoE
@@ -32,61 +32,6 @@ from ep_runtime.types import EPInputError
 
 if TYPE_CHECKING:
     from ep_runtime.elastic import ElasticGroup
-
-
-class EPMoEBlock(nn.Module):
-    """Drop-in for a HF sparse-MoE block: its router, ``EPMoE``, its shared experts.
-
-    ``forward`` takes and returns what the HF block does (``[B, S, H]`` → ``[B, S, H]``, or any
-    ``[..., H]``). Inference only: the all-to-all has no backward. The experts get the top-k ids
-    and weights the HF router itself returns (what transformers hands its own experts), so no
-    routing is computed twice; ``router`` describes that routing (``route()``'s arguments).
-    """
-
-    def __init__(
-        self,
-        gate: nn.Module,
-        ep: EPMoE,
-        router: RouterSettings,
-        shared_experts: nn.Module | None,
-        hf_class: str,
-    ) -> None:
-        super().__init__()
-        self.gate = gate  # the HF router module, unchanged (its weights, bias, hooks)
-        self.ep = ep
-        self.shared_experts = shared_experts
-        self.router = router
-        self.hf_class = hf_class
-        self.graphs: BlockGraphs | None = None  # patch_moe_blocks(..., cuda_graph_tokens=N)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
-        if self.training:
-            raise RuntimeError(
-                f"{self.hf_class} replaced by EPMoEBlock is inference-only (no backward through "
-                "the all-to-all): call model.eval()"
-            )
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).contiguous()  # [T, H]
-        run = self.tokens_forward if self.graphs is None else self.graphs
-        return run(x).view(shape)
-
-    def tokens_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, H]
-        """Router, the EP layer and the shared experts on ``[T, H]`` rows: what a CUDA graph of
-        the block captures."""
-        _, topk_weights, topk_ids = self.gate(x)  # [T, K] each: the HF router's own top-k
-        out = self.ep(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-    def forward_idle(self) -> None:
-        """This rank's part of the block's collectives with no tokens of its own (T = 0): it
-        still serves its experts to the other ranks."""
-        hidden = self.ep.config.hidden_size
-        self(torch.empty(0, hidden, dtype=self.ep.dtype, device=self.ep.device))
-
-    def extra_repr(self) -> str:
-        return f"replaces {self.hf_class}, {self.router}"
 
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from ep_runtime.elastic import ElasticGroup, Recovery
-    from ep_runtime.integrations.transformers.patching import EPMoEBlock
+    from ep_runtime.integrations.transformers.block import EPMoEBlock
     from ep_runtime.layer import EPMoE
 
 
