@@ -13,6 +13,9 @@ every expert of every MoE block) against the model, then reads the dense tensors
 experts only, one tensor name at a time (``safe_open(...).get_tensor`` / ``get_slice``), fuses
 each block's gate and up projections into ``w13 [L, 2I, H]`` once, and replaces the MoE blocks by
 ``EPMoEBlock``\\ s holding only those experts. Per-rank memory is the dense part plus E/W experts.
+With ``elastic=`` (an ``ElasticGroup``) the blocks are elastic and a recovery reads the experts
+that only a lost rank held from the checkpoint again, those experts alone
+(checkpoint_experts.py, which also reads each rank's slots while loading).
 
 Every rank checks the whole checkpoint's metadata (cheap: no tensor data), so a checkpoint that
 does not match the model (a missing tensor, a wrong shape, an integer dtype where the model has
@@ -35,10 +38,10 @@ scales would be wrong.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,11 @@ from torch import nn
 
 from ep_runtime.comm import Comm
 from ep_runtime.eplb import PlacementMap
+from ep_runtime.integrations.checkpoint_experts import (
+    BlockExperts,
+    CheckpointExpertSource,
+    SlotLoader,
+)
 from ep_runtime.integrations.meta_model import build_empty_model
 from ep_runtime.integrations.safetensors_index import (
     CheckpointIndex,
@@ -63,6 +71,9 @@ from ep_runtime.integrations.transformers import (
     require_transformers,
 )
 from ep_runtime.types import EPInputError
+
+if TYPE_CHECKING:
+    from ep_runtime.elastic import ElasticGroup
 
 
 # tensor names per architecture (keyed like ARCHITECTURES) ----------------------------------------
@@ -107,19 +118,6 @@ class DenseTensor:
 
 
 @dataclass(frozen=True)
-class BlockExperts:
-    """This rank's experts of one MoE block in the checkpoint: per distinct local expert
-    ``(gate, up, down)``, or the fused ``gate_up_proj`` / ``down_proj`` whose rows it reads."""
-
-    block: str
-    per_expert: dict[int, tuple[TensorInfo, TensorInfo, TensorInfo]]  # by expert; empty if fused
-    fused: tuple[TensorInfo, TensorInfo] | None
-
-    def tensors(self) -> list[TensorInfo]:
-        return [t for triple in self.per_expert.values() for t in triple] + list(self.fused or ())
-
-
-@dataclass(frozen=True)
 class LoadPlan:
     dense: tuple[DenseTensor, ...]
     experts: dict[str, BlockExperts]  # by block name
@@ -157,12 +155,12 @@ def plan_load(
     if len(num_experts) != 1:
         raise EPInputError("model", "the same number of experts in every MoE block", num_experts)
     placement = PlacementMap.initial(num_experts.pop(), num_redundant_experts, world_size)
-    local = placement.experts_on_rank(rank)
     experts = {}
     for name, block in blocks:
-        experts[name], checked = _block_experts(index, name, block, names[name], renames, local)
-        used.update(checked)
+        experts[name] = _block_experts(index, name, block, names[name], renames)
+        used.update(t.name for t in experts[name].tensors(range(placement.num_logical)))
     ignored = tuple(sorted(set(index.tensors) - used))
+    local = placement.experts_on_rank(rank)
     return LoadPlan(tuple(dense), experts, placement.num_logical, local, ignored)
 
 
@@ -242,9 +240,8 @@ def _block_experts(
     block: nn.Module,
     names: CheckpointNames,
     renames: tuple[tuple[str, str], ...],
-    local: tuple[int, ...],
-) -> tuple[BlockExperts, set[str]]:
-    """This rank's experts of the block, and the names of all its experts (every one checked)."""
+) -> BlockExperts:
+    """Every expert of the block in the checkpoint, each checked against the model."""
     num_experts, inter, hidden = _shapes(block)
     prefix, fused = _expert_prefix(index, block_name, names, renames)
     if fused:
@@ -253,9 +250,9 @@ def _block_experts(
         down = index.require(prefix + FUSED_DOWN, fused_shapes[1], "the fused experts")
         for info in (gate_up, down):
             _refuse_fp8(info)
-        return BlockExperts(block_name, {}, (gate_up, down)), {gate_up.name, down.name}
+        return BlockExperts(block_name, {}, (gate_up, down), (num_experts, inter, hidden))
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-    mine, checked = {}, set()
+    per_expert = {}
     for expert in range(num_experts):
         triple = tuple(
             index.require(name, shape, f"expert {expert} of {num_experts}")
@@ -263,10 +260,8 @@ def _block_experts(
         )
         for info in triple:
             _refuse_fp8(info)
-            checked.add(info.name)
-        if expert in local:
-            mine[expert] = triple
-    return BlockExperts(block_name, mine, None), checked
+        per_expert[expert] = triple
+    return BlockExperts(block_name, per_expert, None, (num_experts, inter, hidden))
 
 
 # reading ------------------------------------------------------------------------------------------
@@ -333,44 +328,6 @@ def _read_dense(
                 module._buffers[name] = buffer.to(device)
 
 
-class _ExpertLoader:
-    """``patch_moe_blocks``' source of each block's local experts: reads each distinct one once
-    from the checkpoint into ``w13 [S, 2I, H]`` (rows ``[gate; up]``) and ``w2 [S, H, I]``, one
-    row per slot (a replicated expert is copied into each of its slots)."""
-
-    def __init__(self, plan: LoadPlan, reader: TensorReader, device: torch.device) -> None:
-        self.plan, self.reader, self.device = plan, reader, device
-
-    def __call__(
-        self, name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if tuple(local) != self.plan.local:  # the EP layer's placement is the plan's
-            raise RuntimeError(f"{name}: EP layer serves experts {local}, plan {self.plan.local}")
-        distinct = sorted(set(local))
-        row = {expert: i for i, expert in enumerate(distinct)}
-        out13 = torch.empty((len(distinct), *w13.shape[1:]), dtype=w13.dtype, device=self.device)
-        out2 = torch.empty((len(distinct), *w2.shape[1:]), dtype=w2.dtype, device=self.device)
-        experts = self.plan.experts[name]
-        if experts.fused is not None:
-            gate_up, down = experts.fused
-            for run in _runs(distinct):  # one read per run of consecutive experts
-                rows = slice(row[run.start], row[run.start] + len(run))
-                self.reader.read_into(gate_up, out13[rows], run)
-                self.reader.read_into(down, out2[rows], run)
-        else:
-            inter = w2.size(2)
-            targets = []  # (checkpoint tensor, where it goes)
-            for expert, (gate, up, down) in experts.per_expert.items():
-                i = row[expert]
-                targets += [(gate, out13[i, :inter]), (up, out13[i, inter:]), (down, out2[i])]
-            for info, target in sorted(targets, key=lambda t: (str(t[0].file), t[0].name)):
-                self.reader.read_into(info, target)
-        if len(distinct) == len(local):
-            return out13, out2
-        slots = torch.tensor([row[expert] for expert in local], device=self.device)
-        return out13[slots], out2[slots]  # [S, ...]: indexing copies
-
-
 def load_sharded(
     path: str | Path,
     group: dist.ProcessGroup | None = None,
@@ -379,6 +336,7 @@ def load_sharded(
     dtype: torch.dtype = torch.bfloat16,
     config: Any = None,
     progress: ProgressCallback | None = None,
+    elastic: ElasticGroup | None = None,
     **layer_options: Any,
 ) -> ShardedModel:
     """The model at ``path`` (a checkpoint directory, or one ``.safetensors`` file with
@@ -388,12 +346,19 @@ def load_sharded(
     else CPU; ``dtype``: of the dense part and the experts (transformers' fp32 exceptions kept);
     ``progress``: called after every tensor read (default: a line on stderr at most every 5 s);
     ``layer_options`` go to ``EPMoE`` through ``patch_moe_blocks``. Every rank must call it.
-    Raises ``EPInputError`` naming the tensor and its file, the same on every rank, where the
-    checkpoint does not fit the model or a tensor read holds NaN or Inf (module docstring)."""
+    ``elastic`` (an ``ElasticGroup``, instead of ``group``): the blocks are elastic, and a
+    recovery reads the experts only a lost rank held from the checkpoint again, those experts
+    alone (``CheckpointExpertSource``). Raises ``EPInputError`` naming the tensor and its file,
+    the same on every rank, where the checkpoint does not fit the model or a tensor read holds
+    NaN or Inf (module docstring); ``EPInputError`` naming ``group`` where both it and
+    ``elastic`` are given."""
     started = time.perf_counter()
     hf = require_transformers()
     path = Path(path)
-    comm = Comm.create(group, None if device is None else torch.device(device))
+    if elastic is not None and group is not None:
+        raise EPInputError("group", "None where elastic= is given (it holds the group)", group)
+    target = None if device is None else torch.device(device)
+    comm = Comm.create(group if elastic is None else elastic.group, target)
     if config is None:
         config = hf.AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
     elif isinstance(config, (str, Path)):
@@ -408,9 +373,9 @@ def load_sharded(
         layer_options.get("num_redundant_experts", 0),
     )
     prepare_s = time.perf_counter() - started
-    expert_infos = [t for block in plan.experts.values() for t in block.tensors()]
+    expert_infos = [t for block in plan.experts.values() for t in block.tensors(plan.local)]
     dense_bytes = sum(t.info.nbytes for t in plan.dense)
-    expert_bytes = sum(_bytes_for_rank(t, plan) for t in expert_infos)
+    expert_bytes = sum(block.nbytes(plan.local) for block in plan.experts.values())
     reader = TensorReader(
         index,
         rank=comm.rank,
@@ -420,9 +385,15 @@ def load_sharded(
     )
     try:
         _read_dense(model, plan, reader, comm.device)
-        loader = _ExpertLoader(plan, reader, comm.device)
+        loader = SlotLoader(plan.experts, plan.local, reader, comm.device)
+        if elastic is not None:
+            layer_options["elastic"] = elastic
+            layer_options["expert_source"] = CheckpointExpertSource(
+                index, plan.experts, comm.rank, comm.device, dtype
+            )
+        group = None if elastic is not None else comm.group
         patch = patch_moe_blocks(
-            model, comm.group, expert_weights=loader, device=comm.device, **layer_options
+            model, group, expert_weights=loader, device=comm.device, **layer_options
         )
     finally:
         reader.close()
@@ -459,27 +430,8 @@ def _refuse_nonfinite(comm: Comm, reader: TensorReader, patch: PatchReport) -> N
         raise found[0].error(others=found[1:])
 
 
-def _bytes_for_rank(info: TensorInfo, plan: LoadPlan) -> int:
-    """Bytes this rank reads of an expert tensor: all of a per-expert one, its rows of a fused."""
-    fused = any(block.fused is not None and info in block.fused for block in plan.experts.values())
-    if not fused:
-        return info.nbytes
-    return info.nbytes // info.shape[0] * len(set(plan.local))
-
-
 def _ids(experts: tuple[int, ...]) -> str:
     """(4, 5, 6, 7) → '[4, 8)'; anything else as the list."""
     if experts == tuple(range(experts[0], experts[0] + len(experts))):
         return f"[{experts[0]}, {experts[-1] + 1})"
     return str(list(experts))
-
-
-def _runs(experts: list[int]) -> list[range]:
-    """Sorted distinct ids as maximal runs of consecutive ids: [0, 1, 2, 5] → [0:3, 5:6]."""
-    runs: list[range] = []
-    for expert in experts:
-        if runs and runs[-1].stop == expert:
-            runs[-1] = range(runs[-1].start, expert + 1)
-        else:
-            runs.append(range(expert, expert + 1))
-    return runs

@@ -109,8 +109,8 @@ def test_each_rank_plans_exactly_the_dense_part_and_its_experts(
         assert plan.local == tuple(local)
         planned = {d.info.name: None for d in plan.dense}
         for block in plan.experts.values():
-            planned.update({t.name: None for triple in block.per_expert.values() for t in triple})
-            planned.update({t.name: (local.start, local.stop) for t in block.fused or ()})
+            rows = None if block.fused is None else (local.start, local.stop)
+            planned.update({t.name: rows for t in block.tensors(plan.local)})
         assert planned == expected_reads(path, local)
 
 
@@ -118,17 +118,10 @@ def test_each_rank_plans_exactly_the_dense_part_and_its_experts(
 def test_replicated_experts_are_read_once_and_copied_into_each_slot(
     tmp_path: Path, references, original: bool
 ) -> None:
-    """The expert source for a placement with redundant slots (experts 5, 1, 2, 5 on one
+    """A block's experts read for a placement with redundant slots (experts 5, 1, 2, 5 on one
     rank): each distinct expert read once (fused: one read per run of consecutive experts)."""
-    import dataclasses
-
-    from ep_runtime.integrations.checkpoint import (
-        TensorReader,
-        _ExpertLoader,
-        build_empty_model,
-        plan_load,
-    )
-    from ep_runtime.integrations.safetensors_index import CheckpointIndex
+    from ep_runtime.integrations.checkpoint import build_empty_model, plan_load
+    from ep_runtime.integrations.safetensors_index import CheckpointIndex, TensorReader
 
     reference = references["qwen3-moe"]
     path = write_checkpoint(reference, tmp_path, original=original)
@@ -137,18 +130,9 @@ def test_replicated_experts_are_read_once_and_copied_into_each_slot(
     slots = (5, 1, 2, 5)
     plan = plan_load(model, index, 0, 1)
     block = "model.layers.0.mlp"
-    if not original:
-        plan = dataclasses.replace(plan, local=slots)
-    else:  # the rank's experts as plan_load would list them for such a placement
-        mine = {e: plan.experts[block].per_expert[e] for e in sorted(set(slots))}
-        experts = {block: dataclasses.replace(plan.experts[block], per_expert=mine)}
-        plan = dataclasses.replace(plan, local=slots, experts=experts)
     reader = TensorReader(index, 0, 1, 1, progress=lambda _: None)
     hf = reference.get_submodule(block).experts
-    meta = model.get_submodule(block).experts
-    w13, w2 = _ExpertLoader(plan, reader, torch.device("cpu"))(
-        block, meta.gate_up_proj, meta.down_proj, slots
-    )
+    w13, w2 = plan.experts[block].read(slots, reader, torch.device("cpu"), torch.float32)
     assert torch.equal(w13, hf.gate_up_proj[list(slots)])
     assert torch.equal(w2, hf.down_proj[list(slots)])
     reads = sorted((r.name, r.rows) for r in reader.reads)

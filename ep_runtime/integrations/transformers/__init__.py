@@ -14,14 +14,20 @@ else in the model changes. ``greedy_generate`` keeps every rank in every MoE col
 ranks are done: a rank with no request, or one that has finished, runs each MoE block on zero
 tokens, in layer order.
 
+Elastic (ep_runtime/elastic/): ``patch_moe_blocks(model, elastic=group, expert_source=...)``
+builds every block's ``EPMoE`` on an ``ElasticGroup``; when a rank dies, ``greedy_generate`` on
+the survivors rolls back what the failed step added to the KV cache, recovers the group and runs
+the step again, so their requests end with the tokens they would have had.
+
 Needs the ``hf`` extra (``transformers``); written and tested against transformers 5.24.
 
-One job a module: ``architectures`` (the supported blocks, their router readers), ``patching``
-(``EPMoEBlock``, ``patch_moe_blocks``, the expert-weight fusion), ``graphs`` (the blocks' decode
-forwards as CUDA graphs, ``cuda_graph_tokens``), ``generation``
-(``greedy_generate``, ``MoEClock``), ``models`` (random tiny models, among them FP8 experts,
-``load_model``, ``eos_ids``; the only one that imports ``transformers``) and ``fp8`` (whether an
-unpatched model's FP8 experts run here, the contract's math as their forward where they do not).
+One job a module: ``architectures`` (the supported blocks, their router readers), ``block``
+(``EPMoEBlock``), ``patching`` (``patch_moe_blocks``, the expert-weight fusion), ``report``
+(``PatchReport``, the handle of lockstep loops), ``graphs`` (the blocks' decode forwards as CUDA
+graphs, ``cuda_graph_tokens``), ``generation`` (``greedy_generate``, ``MoEClock``), ``models``
+(random tiny models, among them FP8 experts, their ``RandomExpertSource``, ``load_model``,
+``eos_ids``; the only one that imports ``transformers``) and ``fp8`` (whether an unpatched
+model's FP8 experts run here, the contract's math as their forward where they do not).
 """
 
 from ep_runtime.integrations.transformers.architectures import (
@@ -32,12 +38,14 @@ from ep_runtime.integrations.transformers.architectures import (
     UnsupportedMoEBlockError,
     architecture_of,
 )
+from ep_runtime.integrations.transformers.block import EPMoEBlock
 from ep_runtime.integrations.transformers.generation import GreedyResult, MoEClock, greedy_generate
 from ep_runtime.integrations.transformers.models import (
     FP8_RANDOM_MODELS,
     NAMED_MODELS,
     RANDOM_MODELS,
     TESTED_TRANSFORMERS,
+    RandomExpertSource,
     build_random_model,
     eos_ids,
     load_model,
@@ -45,13 +53,11 @@ from ep_runtime.integrations.transformers.models import (
     require_transformers,
 )
 from ep_runtime.integrations.transformers.patching import (
-    EPMoEBlock,
-    PatchedBlock,
-    PatchReport,
+    ExpertSource,
     find_moe_blocks,
     patch_moe_blocks,
-    tensor_bytes,
 )
+from ep_runtime.integrations.transformers.report import PatchedBlock, PatchReport, tensor_bytes
 
 __all__ = [
     "ARCHITECTURES",
@@ -62,10 +68,12 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "Architecture",
     "EPMoEBlock",
+    "ExpertSource",
     "GreedyResult",
     "MoEClock",
     "PatchReport",
     "PatchedBlock",
+    "RandomExpertSource",
     "RouterSettings",
     "UnsupportedMoEBlockError",
     "architecture_of",

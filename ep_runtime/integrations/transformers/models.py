@@ -4,7 +4,8 @@ ids. The one part of the integration that needs ``transformers`` itself (the ``h
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,27 @@ def build_random_model(
     model = model.to(device=device, dtype=dtype).eval()
     quantization = getattr(config, "quantization_config", None)
     return model if quantization is None else to_fp8_experts(model, quantization)
+
+
+@dataclass(frozen=True)
+class RandomExpertSource:
+    """``patch_moe_blocks``' ``expert_source`` for a seeded random model: the experts of a block
+    of ``build_random_model(config, seed=seed, dtype=dtype)``, which it builds again (on the
+    CPU) at each call. Built for the tiny random models, which an elastic recovery re-reads
+    in a fraction of a second; FP8 models are not elastic."""
+
+    config: Any
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __call__(
+        self, block: str, experts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, 2I, H], [n, H, I]
+        """Rows ``experts`` of the block's ``gate_up_proj`` and ``down_proj``."""
+        model = build_random_model(self.config, seed=self.seed, dtype=self.dtype)
+        hf_experts = model.get_submodule(block).experts
+        rows = list(experts)
+        return hf_experts.gate_up_proj[rows].detach(), hf_experts.down_proj[rows].detach()
 
 
 def to_fp8_experts(model: nn.Module, quantization: Any) -> nn.Module:

@@ -1,14 +1,16 @@
-"""``EPMoEBlock`` (a HF sparse-MoE block's router, an ``EPMoE`` shard and its shared experts)
-and ``patch_moe_blocks``, which swaps it in for every supported block and fuses/checks
-the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard. FP8 experts
-(transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they are: e4m3
-weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``."""
+"""``patch_moe_blocks``, which swaps an ``EPMoEBlock`` (block.py) in for every supported block
+and fuses/checks the HF expert weights into ``EPMoE``'s layout, keeping only this rank's shard.
+FP8 experts (transformers' ``FineGrainedFP8Config``, 128×128 blocks) are handed over as they
+are: e4m3 weights and fp32 block scales, ``MoEConfig(quantization="fp8_block")``. On an
+``ElasticGroup`` each block's ``EPMoE`` is elastic, its weight source the caller's
+``expert_source`` for that block (the HF expert tensors are freed, so lost experts must be read
+again from elsewhere)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,159 +20,18 @@ from torch import nn
 from ep_runtime.config import MoEConfig
 from ep_runtime.integrations.transformers.architectures import (
     SUPPORTED_BLOCKS,
-    RouterSettings,
     UnsupportedMoEBlockError,
     architecture_of,
 )
+from ep_runtime.integrations.transformers.block import EPMoEBlock
 from ep_runtime.integrations.transformers.graphs import BlockGraphs, check_graph_option
+from ep_runtime.integrations.transformers.report import PatchedBlock, PatchReport
 from ep_runtime.layer import EPMoE
 from ep_runtime.quantization import BLOCK, FP8_DTYPE, Quantization
 from ep_runtime.types import EPInputError
 
-
-class EPMoEBlock(nn.Module):
-    """Drop-in for a HF sparse-MoE block: its router, ``EPMoE``, its shared experts.
-
-    ``forward`` takes and returns what the HF block does (``[B, S, H]`` → ``[B, S, H]``, or any
-    ``[..., H]``). Inference only: the all-to-all has no backward. The experts get the top-k ids
-    and weights the HF router itself returns (what transformers hands its own experts), so no
-    routing is computed twice; ``router`` describes that routing (``route()``'s arguments).
-    """
-
-    def __init__(
-        self,
-        gate: nn.Module,
-        ep: EPMoE,
-        router: RouterSettings,
-        shared_experts: nn.Module | None,
-        hf_class: str,
-    ) -> None:
-        super().__init__()
-        self.gate = gate  # the HF router module, unchanged (its weights, bias, hooks)
-        self.ep = ep
-        self.shared_experts = shared_experts
-        self.router = router
-        self.hf_class = hf_class
-        self.graphs: BlockGraphs | None = None  # patch_moe_blocks(..., cuda_graph_tokens=N)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., H] → [..., H]
-        if self.training:
-            raise RuntimeError(
-                f"{self.hf_class} replaced by EPMoEBlock is inference-only (no backward through "
-                "the all-to-all): call model.eval()"
-            )
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).contiguous()  # [T, H]
-        run = self.tokens_forward if self.graphs is None else self.graphs
-        return run(x).view(shape)
-
-    def tokens_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, H]
-        """Router, the EP layer and the shared experts on ``[T, H]`` rows: what a CUDA graph of
-        the block captures."""
-        _, topk_weights, topk_ids = self.gate(x)  # [T, K] each: the HF router's own top-k
-        out = self.ep(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-    def forward_idle(self) -> None:
-        """This rank's part of the block's collectives with no tokens of its own (T = 0): it
-        still serves its experts to the other ranks."""
-        hidden = self.ep.config.hidden_size
-        self(torch.empty(0, hidden, dtype=self.ep.dtype, device=self.ep.device))
-
-    def extra_repr(self) -> str:
-        return f"replaces {self.hf_class}, {self.router}"
-
-
-@dataclass(frozen=True)
-class PatchedBlock:
-    name: str  # qualified module name, e.g. "model.layers.1.mlp"
-    hf_class: str
-    module: EPMoEBlock
-
-
-@dataclass
-class PatchReport:
-    """What ``patch_moe_blocks`` replaced, on this rank; also the handle for lockstep loops."""
-
-    blocks: list[PatchedBlock]  # in layer (execution) order
-    rank: int
-    world_size: int
-    num_experts: int
-    local_experts: range | tuple[int, ...]  # logical expert per slot when patched
-    expert_params_kept: int  # elements of this rank's expert shards, all blocks
-    expert_params_freed: int  # elements of the HF expert tensors released, all blocks
-    group: dist.ProcessGroup | None = field(repr=False, default=None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks[0].module.ep.device
-
-    @property
-    def choice(self) -> str:
-        """What "auto" picked for the EP layers (one line), and refusals below it."""
-        return self.blocks[0].module.ep.choice.describe()
-
-    def held_expert_bytes(self) -> int:
-        """Bytes of the expert weights the EP layers hold (distinct storages)."""
-        return sum(tensor_bytes(block.module.ep.experts) for block in self.blocks)
-
-    def forward_idle(self) -> None:
-        """Every EP block on zero tokens, in layer order: a rank with nothing to run this step
-        still takes part in each block's collectives."""
-        for block in self.blocks:
-            block.module.forward_idle()
-
-    def check(self) -> None:
-        """Raise what the EP blocks recorded on the device (``EPMoE.check``, one host sync
-        each): the ids' verdicts of forwards that did not read them on the host."""
-        for block in self.blocks:
-            block.module.ep.check()
-
-    def anyone(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank (one 1-element all-reduce)."""
-        if self.world_size == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
-
-    def describe(self) -> str:
-        classes = sorted({block.hf_class for block in self.blocks})
-        return (
-            f"{len(self.blocks)} {'/'.join(classes)} blocks → EPMoE on rank "
-            f"{self.rank}/{self.world_size}: experts {_describe_experts(self.local_experts)} "
-            f"of {self.num_experts}; expert parameters kept "
-            f"{self.expert_params_kept:,}, freed {self.expert_params_freed:,}; "
-            f"{self.choice.splitlines()[0]}"
-        )
-
-
-def _describe_experts(experts: range | tuple[int, ...]) -> str:
-    if isinstance(experts, range):
-        return f"[{experts.start}, {experts.stop})"
-    return f"{list(experts)} (one per slot)"
-
-
-def _slot_experts(experts: tuple[int, ...]) -> range | tuple[int, ...]:
-    """The logical expert of each slot: a range where they run contiguously (always without
-    redundant experts, before a rebalance), else the tuple."""
-    run = range(experts[0], experts[0] + len(experts))
-    return run if tuple(run) == experts else experts
-
-
-def tensor_bytes(obj: object) -> int:
-    """Bytes of the distinct storages behind the tensors among ``obj``'s attributes (and the
-    fields of dataclass attributes: an fp8 shard with its scales)."""
-    storages: dict[int, int] = {}
-    for value in vars(obj).values():
-        is_record = is_dataclass(value) and not isinstance(value, type)
-        for tensor in [getattr(value, f.name) for f in fields(value)] if is_record else [value]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+if TYPE_CHECKING:
+    from ep_runtime.elastic import ElasticGroup
 
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -189,6 +50,10 @@ ExpertWeights = Callable[
 ]  # (block name, its gate_up_proj [E, 2I, H], down_proj [E, H, I], expert of each local slot)
 #    → [S, 2I, H], [S, H, I]
 
+ExpertSource = Callable[
+    [str, Sequence[int]], tuple[torch.Tensor, torch.Tensor]
+]  # (block name, logical expert ids [n]) → gate_up_proj rows [n, 2I, H], down_proj rows [n, H, I]
+
 
 def _local_rows(
     name: str, w13: torch.Tensor, w2: torch.Tensor, local: Sequence[int]
@@ -204,6 +69,8 @@ def patch_moe_blocks(
     *,
     expert_weights: ExpertWeights = _local_rows,
     cuda_graph_tokens: int | None = None,
+    elastic: ElasticGroup | None = None,
+    expert_source: ExpertSource | None = None,
     **layer_options: Any,
 ) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by an ``EPMoEBlock`` on ``group``
@@ -220,6 +87,9 @@ def patch_moe_blocks(
     ``quantization="fp8_block"`` gets the weights and their scales. ``cuda_graph_tokens=N``
     (capacity mode, CUDA, a world of one): each block's forward on up to N tokens (a decode
     step) runs as a CUDA graph, captured at the first step of each size (graphs.py).
+    ``elastic=`` (an ``ElasticGroup``, instead of ``group``): the blocks keep serving on the
+    survivors after a rank is lost (ep_runtime/elastic/); the experts that only the lost rank
+    held are read again from ``expert_source``, which is therefore required with it.
 
     Parameters
     ----------
@@ -237,6 +107,16 @@ def patch_moe_blocks(
     cuda_graph_tokens : int, optional
         ``N ≥ 1``: each block's forward on up to ``N`` tokens runs as a CUDA graph (capacity
         mode, CUDA, a world of one); None: eager.
+    elastic : ElasticGroup, optional
+        The elastic group every block's ``EPMoE`` is built on (``group`` must then be None);
+        after a rank loss, the next forward of any block re-forms it from the survivors and
+        re-homes the experts (``greedy_generate`` re-runs the failed step).
+    expert_source : callable, optional
+        Required with ``elastic``, refused without it: ``(block name, logical expert ids
+        [n]) → (w13 [n, 2I, H], w2 [n, H, I])``, those experts' ``gate_up_proj`` and
+        ``down_proj`` rows (any dtype and device: they are cast), read only when a recovery
+        needs them (``RandomExpertSource`` for the seeded random models, the checkpoint's
+        reader for ``load_sharded``).
     **layer_options
         Passed to every block's ``EPMoE`` (above); ``device`` defaults to the expert
         tensors' device and ``device_checks`` to True.
@@ -254,9 +134,13 @@ def patch_moe_blocks(
         ``model`` has no supported sparse-MoE block, or a block's settings are unsupported.
     EPInputError
         A router's ``top_k`` outside ``[1, E]``, FP8 experts in a model that is neither
-        float32 nor bfloat16, or a ``cuda_graph_tokens`` that cannot run here (named why).
+        float32 nor bfloat16, a ``cuda_graph_tokens`` that cannot run here (named why), or
+        ``elastic`` with a ``group``, without an ``expert_source``, with CUDA graphs or with FP8
+        experts.
     """
-    check_graph_option(cuda_graph_tokens, layer_options, _model_device(model), group)
+    _check_elastic(group, elastic, expert_source, cuda_graph_tokens)
+    graph_group = group if elastic is None else elastic.group
+    check_graph_option(cuda_graph_tokens, layer_options, _model_device(model), graph_group)
     found = find_moe_blocks(model)
     if not found:
         raise UnsupportedMoEBlockError(
@@ -287,6 +171,8 @@ def patch_moe_blocks(
         options = {"device": w13.device, "device_checks": True, **layer_options}
         if graph_pool is not None:
             options.setdefault("forward_graphs", None)
+        if elastic is not None:
+            options.update(elastic=elastic, weight_source=partial(expert_source, name))
         ep = EPMoE(config, group=group, **options)
         local = list(ep.placement.experts_on_rank(ep.comm.rank))  # logical expert per slot
         num_local = len(local)
@@ -320,17 +206,44 @@ def patch_moe_blocks(
         _set_submodule(model, name, replacement)
         _release_experts(block.experts)
         patched.append(PatchedBlock(name, type(block).__name__, replacement))
-    first = patched[0].module.ep
     return PatchReport(
         blocks=patched,
-        rank=first.comm.rank,
-        world_size=first.comm.world_size,
-        num_experts=first.config.num_experts,
-        local_experts=_slot_experts(first.eplb.local_experts),
+        num_experts=patched[0].module.ep.config.num_experts,
         expert_params_kept=kept,
         expert_params_freed=freed,
-        group=first.comm.group,
+        elastic=elastic,
     )
+
+
+def _check_elastic(
+    group: dist.ProcessGroup | None,
+    elastic: ElasticGroup | None,
+    expert_source: ExpertSource | None,
+    cuda_graph_tokens: int | None,
+) -> None:
+    """``elastic`` comes with an ``expert_source`` and without a ``group`` or CUDA graphs."""
+    if elastic is None:
+        if expert_source is not None:
+            raise EPInputError(
+                "expert_source", "None without elastic= (only a recovery reads it)", expert_source
+            )
+        return
+    if group is not None:
+        raise EPInputError("group", "None where elastic= is given (it holds the group)", group)
+    if not callable(expert_source):
+        raise EPInputError(
+            "expert_source",
+            "a callable (block name, expert ids) -> (w13 [n, 2I, H], w2 [n, H, I]) where "
+            "elastic= is given: the HF expert tensors are freed, and a recovery re-reads the "
+            "experts only a lost rank held (RandomExpertSource for the seeded random models)",
+            expert_source,
+        )
+    if cuda_graph_tokens is not None:
+        raise EPInputError(
+            "cuda_graph_tokens",
+            "None where elastic= is given (a recovery rebuilds what a graph captured)",
+            cuda_graph_tokens,
+        )
 
 
 def _fused_expert_weights(name: str, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
