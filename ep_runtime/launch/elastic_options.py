@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ep_runtime.dispatch import DISPATCHERS
-from ep_runtime.launch.elastic_run import ElasticWorkload
+from ep_runtime.launch.elastic_run import ElasticWorkload, KillAt
 from ep_runtime.launch.layer_run import LayerWorkload
 from ep_runtime.launch.spec import RunSpec
 
@@ -20,31 +19,6 @@ TORCHRUN_KEEPS_NO_SURVIVOR = (
     "with the survivors), given torchrun (its agent stops every worker when one fails, "
     "torch.distributed.elastic's policy, and without torchrun rank 0 hosts the store)"
 )
-
-
-@dataclass(frozen=True)
-class KillAt:
-    """``--kill-rank R@N``: rank ``rank`` SIGKILLs itself as iteration ``iteration`` starts."""
-
-    rank: int
-    iteration: int
-
-    def __str__(self) -> str:
-        return f"{self.rank}@{self.iteration}"
-
-    @staticmethod
-    def parse(text: str) -> tuple[KillAt, ...]:
-        """``R@N`` or a comma list of them, e.g. ``2@5`` or ``1@3,2@6``."""
-        kills = []
-        for item in text.split(","):
-            rank, at, iteration = item.strip().partition("@")
-            if not (at and rank.strip().isdigit() and iteration.strip().isdigit()):
-                raise ValueError(
-                    "--kill-rank: expected R@N (rank R killed as iteration N starts; several: "
-                    f"R@N,R@N), given {text!r}"
-                )
-            kills.append(KillAt(int(rank), int(iteration)))
-        return tuple(kills)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,6 @@ from rich.console import Console
 from ep_runtime.bench.report import write_json
 
 if TYPE_CHECKING:
-    from ep_runtime.launch.elastic_options import KillAt
     from ep_runtime.launch.spec import RunOutcome, RunSpec
 
 __all__ = ["build_report", "print_report", "write_json"]
@@ -27,12 +26,11 @@ WIDTH = 80  # columns of every printed line
 STEPS = ("members_s", "reform_s", "rehome_s", "rebuild_s")  # a Recovery's, in order
 
 
-def build_report(spec: RunSpec, told: Sequence[KillAt], outcome: RunOutcome) -> dict:
-    """The report from the survivors' ``summarize()`` results (by original rank); ``told``:
-    the ranks the run was told to kill, and when."""
+def build_report(spec: RunSpec, kills: dict[int, int], outcome: RunOutcome) -> dict:
+    """The report from the survivors' ``summarize()`` results (by original rank); ``kills``:
+    the ranks the run was told to kill, and the iteration of each."""
     run = spec.to_json()
     survivors = sorted(outcome.summaries, key=lambda s: s["rank"])
-    kills = {kill.rank: kill.iteration for kill in told}
     killed = {record["rank"]: record for s in survivors for record in s["kills"]}
     tokens = run["model"]["tokens_per_rank"]
     count = min((len(s["recoveries"]) for s in survivors), default=0)

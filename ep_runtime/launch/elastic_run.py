@@ -36,10 +36,34 @@ from ep_runtime.types import RemoteRankError
 
 if TYPE_CHECKING:
     from ep_runtime.elastic import ElasticGroup
-    from ep_runtime.launch.elastic_options import KillAt
 
 KILLED_KEY = "launch/elastic/killed/"  # + original rank: {"iteration", "at"} in the store
 MEASURE_FORWARDS = 3  # forwards the load after the last recovery is measured over
+
+
+@dataclass(frozen=True)
+class KillAt:
+    """``--kill-rank R@N``: rank ``rank`` SIGKILLs itself as iteration ``iteration`` starts."""
+
+    rank: int
+    iteration: int
+
+    def __str__(self) -> str:
+        return f"{self.rank}@{self.iteration}"
+
+    @staticmethod
+    def parse(text: str) -> tuple[KillAt, ...]:
+        """``R@N`` or a comma list of them, e.g. ``2@5`` or ``1@3,2@6``."""
+        kills = []
+        for item in text.split(","):
+            rank, at, iteration = item.strip().partition("@")
+            if not (at and rank.strip().isdigit() and iteration.strip().isdigit()):
+                raise ValueError(
+                    "--kill-rank: expected R@N (rank R killed as iteration N starts; several: "
+                    f"R@N,R@N), given {text!r}"
+                )
+            kills.append(KillAt(int(rank), int(iteration)))
+        return tuple(kills)
 
 
 @dataclass(frozen=True)
@@ -88,7 +112,8 @@ class ElasticWorkload(Workload):
         return ElasticRankWorker(self, context)
 
     def finish(self, spec: RunSpec, outcome: RunOutcome, console: Console) -> bool:
-        report = elastic_report.build_report(spec, self.kills, outcome)
+        kills = {kill.rank: kill.iteration for kill in self.kills}
+        report = elastic_report.build_report(spec, kills, outcome)
         if outcome.reports_here:
             elastic_report.print_report(report, console)
             if outcome.json_path:

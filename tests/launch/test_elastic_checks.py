@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from ep_runtime.launch import cli, spawn
 from ep_runtime.launch.cli import EXIT_USAGE, build_parser, build_spec, main
-from ep_runtime.launch.elastic_options import ELASTIC_ROUTING, TORCHRUN_KEEPS_NO_SURVIVOR, KillAt
+from ep_runtime.launch.elastic_options import ELASTIC_ROUTING, TORCHRUN_KEEPS_NO_SURVIVOR
 from ep_runtime.launch.elastic_report import build_report, report_lines
-from ep_runtime.launch.elastic_run import ElasticWorkload
+from ep_runtime.launch.elastic_run import ElasticWorkload, KillAt
 from ep_runtime.launch.layer_run import LayerWorkload
 from ep_runtime.launch.presets import PRESETS
 from ep_runtime.launch.rank import RankWorker
@@ -181,7 +181,7 @@ def test_a_wrong_output_fails_the_elastic_report():
     finally:
         worker.shutdown()
         torch.set_num_threads(threads)
-    report = build_report(spec, workload.kills, RunOutcome("spawn", [summary], 1.0, True))
+    report = build_report(spec, {}, RunOutcome("spawn", [summary], 1.0, True))
     assert not report["passed"]
     assert [problem.split(":")[0] for problem in report["problems"]] == ["rank 0"]
     assert report_lines(report)[-1] == "FAILED: no rank lost; 1 problem(s) above"
