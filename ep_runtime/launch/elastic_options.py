@@ -9,15 +9,14 @@ import argparse
 from collections.abc import Sequence
 
 from ep_runtime.dispatch import DISPATCHERS
-from ep_runtime.launch.elastic_run import ElasticWorkload, KillAt
+from ep_runtime.launch.elastic_run import ELASTIC_ROUTING, ElasticWorkload, KillAt
 from ep_runtime.launch.layer_run import LayerWorkload
 from ep_runtime.launch.spec import RunSpec
 
-ELASTIC_ROUTING = "zipf:1.2"  # --routing's default with --elastic: skewed, so balance matters
 TORCHRUN_KEEPS_NO_SURVIVOR = (
-    "--elastic: expected --launcher spawn or ray (their launcher hosts the store and goes on "
-    "with the survivors), given torchrun (its agent stops every worker when one fails, "
-    "torch.distributed.elastic's policy, and without torchrun rank 0 hosts the store)"
+    "--elastic: expected --launcher spawn or ray (the launcher hosts the store and goes on "
+    "with the survivors), given torchrun (torchrun's agent stops every worker when one fails, "
+    "torch.distributed.elastic's policy; under srun rank 0 hosts the store)"
 )
 
 

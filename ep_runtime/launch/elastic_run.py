@@ -37,6 +37,7 @@ from ep_runtime.types import RemoteRankError
 if TYPE_CHECKING:
     from ep_runtime.elastic import ElasticGroup
 
+ELASTIC_ROUTING = "zipf:1.2"  # the default: skewed, so that balance matters
 KILLED_KEY = "launch/elastic/killed/"  # + original rank: {"iteration", "at"} in the store
 MEASURE_FORWARDS = 3  # forwards the load after the last recovery is measured over
 
@@ -80,7 +81,7 @@ class ElasticWorkload(Workload):
     iters: int = 10
     seed: int = 0
     validate_tokens: int = 64  # per rank; 0 = every token
-    routing: str = "zipf:1.2"
+    routing: str = ELASTIC_ROUTING
     redundant_experts: int = 0
     kills: tuple[KillAt, ...] = ()
 
