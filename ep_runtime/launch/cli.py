@@ -23,7 +23,7 @@ from rich.console import Console
 
 from ep_runtime.dispatch import DISPATCHERS
 from ep_runtime.experts import EXPERTS
-from ep_runtime.launch import hf_run, layer_eplb
+from ep_runtime.launch import elastic_options, hf_run, layer_eplb
 from ep_runtime.launch.layer_run import FAILURE_KINDS, FailureInjection, LayerWorkload
 from ep_runtime.launch.presets import PRESETS, preset_by_name
 from ep_runtime.launch.progress import (
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exception), input (an EPInputError, as a backend rejecting its input), exit, kill, hang",
     )
     layer_eplb.add_arguments(parser)
+    elastic_options.add_arguments(parser)
     hf_run.add_arguments(parser)
     return parser
 
@@ -247,7 +248,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
     except EPInputError as error:
         option = CONFIG_OPTIONS.get(error.argument, error.argument)
         raise ValueError(f"{option}: expected {error.expected}, given {error.given}") from None
-    balance = layer_eplb.checked_options(args, model.num_experts, world_size)
+    routing = elastic_options.ELASTIC_ROUTING if args.elastic else layer_eplb.MODEL_ROUTING
+    balance = layer_eplb.checked_options(args, model.num_experts, world_size, routing)
     if quantization is not None and (balance["redundant_experts"] or balance["rebalance_every"]):
         raise ValueError(
             "--redundant-experts: expected 0 and no --rebalance-every with --quantization "
@@ -288,7 +290,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         quantization=quantization,
         **balance,
     )
-    return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
+    spec = RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
+    return elastic_options.elastic_spec(args, spec) if args.elastic else spec
 
 
 def _launch(
@@ -386,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--launcher ray: expected ray to be installed (pip install 'ep_runtime[launch]'), "
                 "given none"
             )
+        elastic_options.check_launcher(args, launcher)
         world_size, reports_here = args.dp, True
         if launcher == "torchrun":
             from ep_runtime.launch.torchrun import env_rank

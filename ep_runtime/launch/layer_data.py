@@ -34,6 +34,7 @@ from ep_runtime.quantization import (
 )
 from ep_runtime.reference import reference_moe
 from ep_runtime.routing import route
+from ep_runtime.tolerance import Comparison, compare_per_token, tolerance_for
 
 EXPERTS_PER_VALIDATION_CHUNK = 8  # experts resident at once while computing the reference
 
@@ -237,3 +238,25 @@ def sampled_reference(
         out += part
         scale += part_scale
     return out, scale, touched
+
+
+def check_sample(
+    model: ModelPreset,
+    out: torch.Tensor,  # [T, H] the layer's output
+    x: torch.Tensor,  # [T, H] its input
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    rows: torch.Tensor,  # the sampled rows (``validation_sample``), on ``out``'s device
+    seed: int,
+    quantization: Quantization | str | None = None,
+) -> tuple[Comparison, float, list[int]]:
+    """``out``'s sampled rows against ``sampled_reference``, per token, at the tolerance of
+    ``out``'s dtype (fp8 weights: of bf16, issue 21: fp32 and fp64 evaluations of q() may land
+    on neighbouring e4m3 values for a few elements): ``(comparison, tolerance, experts
+    regenerated)``."""
+    reference, scale, touched = sampled_reference(
+        model, x[rows], topk_ids[rows], topk_weights[rows], seed, quantization=quantization
+    )
+    judged = torch.bfloat16 if quantization is not None else out.dtype
+    tolerance = tolerance_for(judged, max(model.hidden_size, model.intermediate_size))
+    return compare_per_token(out[rows], reference, tolerance, scale), tolerance, touched

@@ -21,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("expert load balancing (docs/eplb.md)")
     group.add_argument(
         "--routing",
-        default=MODEL_ROUTING,
         metavar="model|zipf:S",
         help="model: the preset's router on random logits; zipf:S: K distinct experts per token, "
-        "expert popularity Zipf(S) over a seeded permutation of the experts (skewed load)",
+        "expert popularity Zipf(S) over a seeded permutation of the experts (skewed load); "
+        "default: model (with --elastic: zipf:1.2)",
     )
     group.add_argument(
         "--redundant-experts",
@@ -43,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def checked_options(args: argparse.Namespace, num_experts: int, world_size: int) -> dict:
-    """``LayerWorkload``'s load-balancing fields; ``ValueError`` (one line, the option named)
-    for a bad value."""
-    routing = args.routing
+def checked_options(
+    args: argparse.Namespace, num_experts: int, world_size: int, routing_default: str
+) -> dict:
+    """``LayerWorkload``'s load-balancing fields (``routing_default`` where ``--routing`` was
+    not given); ``ValueError`` (one line, the option named) for a bad value."""
+    routing = args.routing or routing_default
     try:
         exponent = parse_zipf(routing)
     except EPInputError as error:
@@ -72,7 +74,7 @@ def refuse_with_hf_model(args: argparse.Namespace) -> None:
     if not args.hf_model:
         return
     for option, value, default in (
-        ("--routing", args.routing, MODEL_ROUTING),
+        ("--routing", args.routing, None),
         ("--redundant-experts", args.redundant_experts, 0),
         ("--rebalance-every", args.rebalance_every, None),
     ):

@@ -32,7 +32,6 @@ from ep_runtime.launch import layer_data, layer_eplb
 from ep_runtime.launch.presets import ModelPreset
 from ep_runtime.launch.spec import RankContext, RunOutcome, RunSpec, Step, Workload, torch_dtype
 from ep_runtime.layer import PHASES as LAYER_PHASES
-from ep_runtime.tolerance import compare_per_token, tolerance_for
 from ep_runtime.types import DispatchMode, EPInputError
 
 PHASES = (*LAYER_PHASES, "layer")
@@ -52,6 +51,9 @@ class FailureInjection:
     rank: int
     kind: str
     iteration: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.kind}:{self.iteration}"
 
     @staticmethod
     def parse(text: str) -> FailureInjection:
@@ -315,20 +317,16 @@ class LayerRankWorker:
         finally:
             layer.phase_timer = None
         sample = layer_data.validation_sample(out.size(0), run.validate_tokens, run.seed, self.rank)
-        rows = sample.to(self.device)
-        reference, scale, touched = layer_data.sampled_reference(
+        comparison, tolerance, touched = layer_data.check_sample(
             model,
-            self.x[rows],
-            self.topk_ids[rows],
-            self.topk_weights[rows],
+            out,
+            self.x,
+            self.topk_ids,
+            self.topk_weights,
+            sample.to(self.device),
             run.seed,
-            quantization=self.config.quantization,
+            self.config.quantization,
         )
-        # fp8 is judged at the bf16 tolerance whatever the compute dtype (issue 21): fp32 and fp64
-        # evaluations of q() may land on neighbouring e4m3 values for a few elements
-        judged = torch.bfloat16 if self.config.quantization is not None else self.dtype
-        tolerance = tolerance_for(judged, max(model.hidden_size, model.intermediate_size))
-        comparison = compare_per_token(out[rows], reference, tolerance, scale)
         deterministic = torch.equal(out, phase_out)
         if self.graph is not None:
             self.graph.replay()

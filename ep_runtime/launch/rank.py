@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.comm import Comm
+from ep_runtime.elastic import ElasticGroup
 from ep_runtime.launch.network import apply_interface_defaults
-from ep_runtime.launch.spec import RankContext, RunSpec, Step, WorkloadWorker
+from ep_runtime.launch.spec import LaunchError, RankContext, RunSpec, Step, WorkloadWorker
 
 
 def plan(spec: RunSpec) -> list[Step]:
@@ -64,12 +65,38 @@ class RankWorker:
         self, store: dist.Store | None = None, init_method: str | None = None
     ) -> None:
         """NCCL on CUDA, gloo on CPU; the spec's timeout on every collective. Then the
-        workload's worker for this rank."""
+        workload's worker for this rank.
+
+        A workload that ``forms_elastic_group`` gets an ``ElasticGroup`` on ``store`` (the
+        launcher's, hosted outside every rank), which forms the default group itself."""
         interfaces = apply_interface_defaults(self.node_ip)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(1)  # ranks share the cores; BLAS threads would fight
+        elastic = None
+        if self.spec.workload.forms_elastic_group:
+            elastic = self._elastic_group(store)
+        else:
+            self._default_group(store, init_method)
+        self.comm = Comm.create(None, self.device)
+        context = RankContext(
+            self.spec, self.rank, self.device, self.comm, self.node_ip, interfaces, elastic
+        )
+        self.workload = self.spec.workload.worker(context)
+
+    def _elastic_group(self, store: dist.Store | None) -> ElasticGroup:
+        if store is None:
+            raise LaunchError("--elastic: the ranks need the launcher's store (spawn or Ray)")
+        return ElasticGroup(
+            store,
+            self.rank,
+            self.spec.world_size,
+            device=self.device,
+            timeout_s=self.spec.timeout_s,
+        )
+
+    def _default_group(self, store: dist.Store | None, init_method: str | None) -> None:
         options: dict = {
             "backend": "nccl" if self.device.type == "cuda" else "gloo",
             "rank": self.rank,
@@ -83,11 +110,6 @@ class RankWorker:
         else:
             options["init_method"] = init_method or "env://"
         dist.init_process_group(**options)
-        self.comm = Comm.create(None, self.device)
-        context = RankContext(
-            self.spec, self.rank, self.device, self.comm, self.node_ip, interfaces
-        )
-        self.workload = self.spec.workload.worker(context)
 
     def step(self, method: str, args: tuple) -> object:
         """One step of the plan: ``<workload worker>.<method>(*args)``."""

@@ -1,12 +1,16 @@
 """Ray launcher: one placement group of N bundles, one rank actor per bundle, a supervised run.
 
-Pattern: rank actors report (node, ip, gpu); ranks are ordered by (driver's
-node first, ip, gpu); rank 0 binds a TCPStore on port 0 and publishes the port (no free-port race);
-NCCL on GPUs with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray does not mask devices;
-each rank picks its GPU itself), gloo on CPU. The driver issues one collective step at a time and
-watches every rank with ``ray.wait``: the first failure kills every actor, removes the placement
-group and (for a cluster it started) shuts Ray down. On a run across nodes each rank binds gloo and
-NCCL to the interface holding its node's IP unless its node says otherwise (``network``).
+Pattern: rank actors report (node, ip, gpu); ranks are ordered by (driver's node first, ip, gpu);
+the driver hosts the TCPStore on port 0 (no free-port race): on loopback when every rank runs on
+its node, else on its node's IP; no rank process holds it, so it outlives any rank (an elastic
+run's survivors agree on their new group through it). NCCL on GPUs with
+``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray does not mask devices; each rank picks its
+GPU itself), gloo on CPU. The driver issues one collective step at a time and watches every rank
+with ``ray.wait``: the first failure kills every actor, removes the placement group and (for a
+cluster it started) shuts Ray down; in an elastic run, the death of a rank named in
+``--kill-rank`` (``RayActorError``) is expected instead, and the driver goes on driving the
+others. On a run across nodes each rank binds gloo and NCCL to the interface holding its node's
+IP unless its node says otherwise (``network``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import time
 from collections.abc import Iterator, Sequence
 
 import ray
-import torch.distributed as dist
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -68,7 +71,6 @@ class RankActor:
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.worker: RankWorker | None = None
-        self.store: dist.TCPStore | None = None
 
     def meta(self) -> dict:
         """Where this actor runs and which GPU it was given (device index, not masked)."""
@@ -86,18 +88,13 @@ class RankActor:
             "pid": os.getpid(),
         }
 
-    def bind_store(self, host: str) -> int:
-        """Rank 0: the kernel picks the port atomically; the driver hands it to the others. The
-        store listens on ``host`` only (``rendezvous``)."""
-        self.store = host_store(host, self.spec.world_size, self.spec.timeout_s)
-        return self.store.port
-
     def start(
         self, rank: int, device_index: int | None, host: str, port: int, node_ip: str | None
     ) -> None:
-        """Join the store and the process group; gloo and NCCL are bound to the interface
-        holding ``node_ip`` (loopback on one node) unless this node set its own (``network``)."""
-        store = self.store or join_store(host, port, self.spec.world_size, self.spec.timeout_s)
+        """Join the driver's store and the process group; gloo and NCCL are bound to the
+        interface holding ``node_ip`` (loopback on one node) unless this node set its own
+        (``network``)."""
+        store = join_store(host, port, None, self.spec.timeout_s)
         self.worker = RankWorker(self.spec, rank, device_index, node_ip)
         self.worker.init_process_group(store=store)
 
@@ -231,19 +228,35 @@ def reserve_bundles(device: str, world_size: int):
 
 
 def supervise(refs: Sequence, where: str, timeout_s: float, abandoned: list | None = None) -> list:
-    """Results of ``refs[rank]``; on failure, collect failures until the cause is known (see
-    ``window_closed``) and raise it as ``RankFailure``. ``timeout_s`` bounds the whole step.
-    Calls still unanswered when it raises are appended to ``abandoned`` (see ``settle``)."""
-    pending = {ref: rank for rank, ref in enumerate(refs)}
+    """Results of ``refs[rank]`` (see ``supervise_ranks``), in order."""
+    results = supervise_ranks(dict(enumerate(refs)), where, timeout_s, abandoned)
+    return [results[rank] for rank in range(len(refs))]
+
+
+def supervise_ranks(
+    calls: dict[int, ray.ObjectRef],
+    where: str,
+    timeout_s: float,
+    abandoned: list | None = None,
+    killed: frozenset[int] = frozenset(),
+) -> dict[int, object]:
+    """Results of ``calls[rank]``, by rank; on failure, collect failures until the cause is
+    known (see ``window_closed``) and raise it as ``RankFailure``. A rank of ``killed`` whose
+    actor died (an elastic run's ``--kill-rank``) is no failure: it is left out of the results.
+    ``timeout_s`` bounds the whole step. Calls still unanswered when it raises are appended to
+    ``abandoned`` (see ``settle``)."""
+    pending = {ref: rank for rank, ref in calls.items()}
     try:
-        return _supervise(pending, where, timeout_s)
+        return _supervise(pending, where, timeout_s, killed)
     finally:
         if abandoned is not None:
             abandoned.extend(pending)
 
 
-def _supervise(pending: dict, where: str, timeout_s: float) -> list:
-    results: list = [None] * len(pending)
+def _supervise(
+    pending: dict, where: str, timeout_s: float, killed: frozenset[int]
+) -> dict[int, object]:
+    results: dict[int, object] = {}
     failures: list[Failure] = []
     deadline = time.monotonic() + timeout_s
     first_failure_at = 0.0
@@ -264,6 +277,8 @@ def _supervise(pending: dict, where: str, timeout_s: float) -> list:
             try:
                 results[rank] = ray.get(ref)
             except RayActorError as error:  # the process died (killed, exited, OOM)
+                if rank in killed:
+                    continue
                 failures.append(
                     Failure(rank, FailureKind.DIED, f"rank {rank} died: {error}", len(failures))
                 )
@@ -314,11 +329,12 @@ def run_with_ray(
             order = rank_order(metas)
             actors, metas = [actors[i] for i in order], [metas[i] for i in order]
             spans_nodes = len({m["node_id"] for m in metas}) > 1
-            host = metas[0]["ip"] if spans_nodes else LOOPBACK
             progress.status("rendezvous")
-            [port] = supervise(
-                [actors[0].bind_store.remote(host)], "rendezvous", spec.timeout_s, abandoned
-            )
+            driver_node = ray.get_runtime_context().get_node_id()
+            on_driver_node = all(m["node_id"] == driver_node for m in metas)
+            host = LOOPBACK if on_driver_node else ray.util.get_node_ip_address()
+            store = host_store(host, None, spec.timeout_s)  # kept until the run ends
+            port = store.port
             supervise(
                 [
                     a.start.remote(
@@ -366,11 +382,15 @@ def rank_order(metas: list[dict]) -> list[int]:
 def run_steps(
     actors: list, steps: list[Step], spec: RunSpec, progress: RunProgress, abandoned: list
 ) -> list[dict]:
-    """Each step on every rank at once, supervised; the last step's results are the summaries."""
+    """Each step on every rank at once, supervised; the last step's results are the summaries,
+    by rank. A rank the workload kills (``killed_ranks``) is driven no more once it died."""
     step_timeout = spec.timeout_s * 10  # collectives time out long before; guards local hangs
-    results: list = []
+    killed = spec.workload.killed_ranks
+    live = dict(enumerate(actors))
+    results: dict[int, object] = {}
     for step in steps:
-        calls = [a.step.remote(step.method, step.args) for a in actors]
-        results = supervise(calls, step.label, step_timeout, abandoned)
+        calls = {rank: actor.step.remote(step.method, step.args) for rank, actor in live.items()}
+        results = supervise_ranks(calls, step.label, step_timeout, abandoned, killed)
+        live = {rank: live[rank] for rank in results}
         progress.done(step)
-    return results
+    return [results[rank] for rank in sorted(results)]

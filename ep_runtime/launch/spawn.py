@@ -2,8 +2,10 @@
 
 The parent hosts the TCPStore on port 0 (the kernel picks the port; no race) and supervises the
 children: on the first failure it collects failures for a grace window, terminates the rest and
-raises the root cause. Rank r uses GPU r in CUDA mode. The store, gloo and NCCL listen on
-loopback only (``rendezvous``, ``network``): nothing of the run is reachable from elsewhere.
+raises the root cause. An elastic run's ranks named in ``--kill-rank`` SIGKILL themselves: that
+death is no failure; the parent goes on collecting the survivors' summaries. Rank r uses GPU r
+in CUDA mode. The store, gloo and NCCL listen on loopback only (``rendezvous``, ``network``):
+nothing of the run is reachable from elsewhere.
 
 Only the parent acts on Ctrl-C: the children are started with SIGINT blocked and then ignore it,
 so a Ctrl-C in the terminal (SIGINT to the whole process group) makes the parent stop every rank
@@ -72,7 +74,8 @@ def sigint_blocked() -> Iterator[None]:
 
 
 def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue, parent_pid: int) -> None:
-    """Child process: run the whole plan; report steps (rank 0), the summary, or the error."""
+    """Child process: run the whole plan; report steps (the workload's reporting rank), the
+    summary, or the error."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one is discarded
@@ -80,7 +83,8 @@ def _rank_main(rank: int, spec: RunSpec, port: int, events: mp.Queue, parent_pid
         store = join_store(LOOPBACK, port, None, spec.timeout_s)
         worker = RankWorker(spec, rank, rank if spec.device == "cuda" else None, LOOPBACK)
         worker.init_process_group(store=store)
-        on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
+        reporter = spec.workload.reporting_rank
+        on_step = (lambda step: events.put(("step", rank, step))) if rank == reporter else None
         summary = run_plan(worker, on_step)
         worker.shutdown()
         events.put(("result", rank, summary))
@@ -111,21 +115,27 @@ def run_with_spawn(spec: RunSpec, progress_factory: ProgressFactory) -> tuple[Ru
             with sigint_blocked():
                 for process in processes:
                     process.start()
-            return spec, _supervise(processes, events, progress)
+            return spec, _supervise(processes, events, progress, spec.workload.killed_ranks)
         finally:
             _terminate(processes)
 
 
-def _supervise(processes, events, progress) -> list[dict]:
-    """Collect summaries until every rank reported; on the first failure, raise its root cause."""
+def _supervise(processes, events, progress, killed: frozenset[int] = frozenset()) -> list[dict]:
+    """Collect summaries until every rank reported, or was SIGKILLed being one of ``killed``
+    (an elastic run's ``--kill-rank``: the others go on without it); on the first failure,
+    raise its root cause. Returns the summaries by rank, of the ranks that reported."""
     summaries: dict[int, dict] = {}
     errors: dict[int, tuple[str, str | None]] = {}  # rank -> (traceback, usage error line)
     failed_order: list[int] = []  # ranks in the order their failure was noticed
+    lost: set[int] = set()  # ranks of ``killed`` that died as told
     first_failure_at = 0.0
-    while len(summaries) < len(processes):
+    while len(summaries) + len(lost) < len(processes):
         raise_if_stop_requested()
         _drain(events, progress, summaries, errors)
         for rank, process in enumerate(processes):
+            if rank in killed and rank not in errors and process.exitcode == -signal.SIGKILL:
+                lost.add(rank)
+                continue
             failed = rank in errors or process.exitcode not in (None, 0)
             if failed and rank not in failed_order:
                 failed_order.append(rank)
@@ -143,7 +153,7 @@ def _supervise(processes, events, progress) -> list[dict]:
         ):
             break
     if not failed_order:
-        return [summaries[rank] for rank in range(len(processes))]
+        return [summaries[rank] for rank in sorted(summaries)]
     raise_if_stop_requested()  # ranks that failed because of the Ctrl-C are no failure
     _drain(events, progress, summaries, errors)  # an error sent just before its process exited
     failures = [

@@ -3,10 +3,10 @@ every rank), the collective ``Step`` s a workload is made of, and how a failed r
 
 A workload is three things: its ``plan`` (the steps, identical on every rank), a ``worker`` per
 rank (an object whose methods are the steps) and ``finish`` (validate, print and write the
-report in the launching process). ``launch/layer_run.py`` (one synthetic layer, the default)
-and ``launch/hf_run.py`` (a transformers model, ``--hf-model``) are the two workloads; the
-launchers (Ray, spawn, torchrun) and the rank runtime (``launch/rank.py``) know only this
-interface.
+report in the launching process). ``launch/layer_run.py`` (one synthetic layer, the default),
+``launch/elastic_run.py`` (that layer on an elastic group that loses ranks, ``--elastic``) and
+``launch/hf_run.py`` (a transformers model, ``--hf-model``) are the workloads; the launchers
+(Ray, spawn, torchrun) and the rank runtime (``launch/rank.py``) know only this interface.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ep_runtime.comm import Comm
+    from ep_runtime.elastic import ElasticGroup
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -53,6 +54,7 @@ class RankContext:
     comm: Comm
     node_ip: str | None = None
     interfaces: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    elastic: ElasticGroup | None = None  # the group, where the workload forms one
 
     def describe(self) -> dict:
         """Where this rank runs and which interface each backend was told to use (and by whom)."""
@@ -77,7 +79,8 @@ class RunOutcome:
     """A run that every rank finished: what ``Workload.finish`` reports on."""
 
     launcher: str
-    summaries: list[dict]  # the last step's result of every rank, by rank
+    summaries: list[dict]  # the last step's result of every rank, by rank (an elastic run: of
+    # every survivor, by original rank; the ranks it was told to lose have none)
     elapsed_s: float
     reports_here: bool  # this process prints and writes the report (torchrun: rank 0 only)
     json_path: str | None = None
@@ -103,6 +106,26 @@ class Workload(ABC):
     @abstractmethod
     def to_json(self) -> dict:
         """The workload's fields, for the JSON report."""
+
+    @property
+    def forms_elastic_group(self) -> bool:
+        """The ranks form an ``ElasticGroup`` on the launcher's store (``--elastic``) instead of
+        a plain process group."""
+        return False
+
+    @property
+    def killed_ranks(self) -> frozenset[int]:
+        """Ranks the workload kills itself (``--kill-rank``): their death is expected, the
+        launcher goes on with the others."""
+        return frozenset()
+
+    @property
+    def reporting_rank(self) -> int:
+        """The rank whose steps drive the progress bar: the lowest one not killed."""
+        rank = 0
+        while rank in self.killed_ranks:
+            rank += 1
+        return rank
 
 
 @dataclass(frozen=True)
