@@ -143,6 +143,7 @@ class ElasticGroup:
         self._layers: list[weakref.ref[ElasticMember]] = []
         self._failure: BaseException | None = None  # a recovery that failed to commit
         self._recovering = False
+        self._attempted = 0  # the last generation any recovery tried to form
         self._identities: dict[int, PeerIdentity] = {}
         self._form(Membership(0, self.members, ()))
 
@@ -237,9 +238,10 @@ class ElasticGroup:
         attempts = 0
         while True:
             attempts += 1
+            self._attempted += 1  # never a generation tried before: its list may be stale
             membership = agree_members(
                 self.store,
-                self.generation + 1,
+                self._attempted,
                 self.original_rank,
                 self.members,
                 self._is_gone,

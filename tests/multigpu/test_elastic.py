@@ -44,7 +44,7 @@ def test_survivors_recover_correct_balanced_and_agreed(case: str) -> None:
         "tests.multigpu.elastic_rank",
         4,
         {"forwards": FORWARDS, "kills": kills, **options},
-        timeout_s=120,
+        timeout_s=240,  # a 2-core machine under other load: these ran 13-43 s in a loop
     )
     survivors = sorted(set(range(4)) - victims)
     assert [codes[r] for r in sorted(victims)] == [-9] * len(victims), errors
