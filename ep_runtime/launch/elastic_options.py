@@ -1,7 +1,8 @@
-"""The launcher's elastic mode: ``--elastic`` (the layer on an ``ElasticGroup`` that keeps
-serving on the survivors when a rank dies) and ``--kill-rank R@N`` (rank R SIGKILLs itself as
-iteration N starts: the fault to recover from), checked before any rank starts, each refusal one
-line naming the option, what was expected and what was given."""
+"""The launcher's elastic mode: ``--elastic`` (the layer, or ``--hf-model``'s MoE blocks, on an
+``ElasticGroup`` that keeps serving on the survivors when a rank dies) and ``--kill-rank R@N``
+(rank R SIGKILLs itself as iteration N starts, or inside lockstep step N of an ``--hf-model``
+generation: the fault to recover from), checked before any rank starts, each refusal one line
+naming the option, what was expected and what was given."""
 
 from __future__ import annotations
 
@@ -29,15 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "re-form the group, re-home its experts and go on; runs --iters forwards (no warm-up, "
         "no baselines); the report gives the recovery's times, where the lost experts came "
         f"from, the load before and after, the survivors validated; --routing {ELASTIC_ROUTING} "
-        "unless given",
+        "unless given. With --hf-model: the model's MoE blocks on it; the survivors run the "
+        "failed step again and finish their requests, validated against transformers",
     )
     group.add_argument(
         "--kill-rank",
         action="append",
         type=KillAt.parse,
         metavar="R@N",
-        help="with --elastic: rank R SIGKILLs itself as iteration N starts (repeatable, or "
-        "R@N,R@N); at least one rank survives",
+        help="with --elastic: rank R SIGKILLs itself as iteration N starts (with --hf-model: "
+        "as its first MoE block starts in lockstep step N, 1 being the prefill); repeatable, or "
+        "R@N,R@N; at least one rank survives",
     )
 
 
@@ -58,11 +61,6 @@ def check_launcher(args: argparse.Namespace, launcher: str) -> None:
         )
     if args.elastic and launcher == "torchrun":
         raise ValueError(TORCHRUN_KEEPS_NO_SURVIVOR)
-    if args.elastic and args.hf_model:
-        raise ValueError(
-            f"--elastic: expected the synthetic layer (no --hf-model), given --hf-model "
-            f"{args.hf_model}"
-        )
 
 
 def elastic_spec(args: argparse.Namespace, spec: RunSpec) -> RunSpec:
@@ -83,15 +81,14 @@ def elastic_spec(args: argparse.Namespace, spec: RunSpec) -> RunSpec:
             "--layout: expected one layout with --elastic (auto, standard or expanded), "
             f"given {args.layout}"
         )
-    if layer.dispatcher != "auto" and not (
-        DISPATCHERS[layer.dispatcher].capabilities.rebuilds_on_new_group
-    ):
-        able = [d.name for d in DISPATCHERS if d.capabilities.rebuilds_on_new_group]
-        raise ValueError(
-            "--dispatcher: expected one that is built again on a re-formed group with "
-            f"--elastic ({', '.join(sorted(able))}), given {layer.dispatcher!r}"
-        )
-    kills = checked_kills(kills_of(args), spec.world_size, layer.iters)
+    check_dispatcher(layer.dispatcher)
+    kills = checked_kills(
+        kills_of(args),
+        spec.world_size,
+        range(layer.iters),
+        "an iteration",
+        f"--iters {layer.iters}",
+    )
     workload = ElasticWorkload(
         model=layer.model,
         dtype=layer.dtype,
@@ -109,9 +106,26 @@ def elastic_spec(args: argparse.Namespace, spec: RunSpec) -> RunSpec:
     return RunSpec(spec.world_size, spec.device, workload, timeout_s=spec.timeout_s)
 
 
-def checked_kills(kills: Sequence[KillAt], world_size: int, iters: int) -> tuple[KillAt, ...]:
-    """Each kill names a rank in ``[0, world_size)`` once and an iteration in ``[0, iters)``;
-    one rank at least survives."""
+def check_dispatcher(dispatcher: str) -> None:
+    """``--dispatcher``: ``auto`` or one that is built again on a re-formed group."""
+    if dispatcher == "auto":
+        return
+    if dispatcher not in DISPATCHERS.names() or not (
+        DISPATCHERS[dispatcher].capabilities.rebuilds_on_new_group
+    ):
+        able = [d.name for d in DISPATCHERS if d.capabilities.rebuilds_on_new_group]
+        raise ValueError(
+            "--dispatcher: expected one that is built again on a re-formed group with "
+            f"--elastic ({', '.join(sorted(able))}), given {dispatcher!r}"
+        )
+
+
+def checked_kills(
+    kills: Sequence[KillAt], world_size: int, at: range, unit: str, why: str
+) -> tuple[KillAt, ...]:
+    """Each kill names a rank in ``[0, world_size)`` once and a point in ``at`` (``unit``: what
+    the points are, "an iteration"; ``why``: where ``at`` comes from, "--iters 10"); one rank
+    at least survives."""
     seen: set[int] = set()
     for kill in kills:
         if not 0 <= kill.rank < world_size:
@@ -119,9 +133,9 @@ def checked_kills(kills: Sequence[KillAt], world_size: int, iters: int) -> tuple
                 f"--kill-rank: expected a rank in [0, {world_size}) (--dp {world_size}), given "
                 f"{kill.rank} (in {kill})"
             )
-        if not 0 <= kill.iteration < iters:
+        if kill.iteration not in at:
             raise ValueError(
-                f"--kill-rank: expected an iteration in [0, {iters}) (--iters {iters}), given "
+                f"--kill-rank: expected {unit} in [{at.start}, {at.stop}) ({why}), given "
                 f"{kill.iteration} (in {kill})"
             )
         if kill.rank in seen:
@@ -134,3 +148,23 @@ def checked_kills(kills: Sequence[KillAt], world_size: int, iters: int) -> tuple
             f"--kill-rank: expected a rank left alive, given all {world_size} ranks killed"
         )
     return tuple(kills)
+
+
+def hf_kills(
+    args: argparse.Namespace, prompt_lengths: Sequence[int], new_tokens: Sequence[int]
+) -> tuple[KillAt, ...]:
+    """``--elastic`` with ``--hf-model``: a dispatcher that is built again on a re-formed group,
+    each kill at a lockstep step the group runs, ``[1, S]`` (1 the prefill, S the longest
+    request's new tokens; an EOS may end the generation sooner: the report then names the kill
+    that did not happen)."""
+    check_dispatcher(args.dispatcher)
+    pairs = enumerate(zip(prompt_lengths, new_tokens, strict=True))
+    requests = [(steps, rank) for rank, (prompt, steps) in pairs if prompt]
+    steps, longest = max(requests, default=(0, None))
+    why = (
+        f"step 1 is the prefill; rank {longest}'s request, the longest, runs {steps}"
+        if requests
+        else "no rank has a request"
+    )
+    world_size = len(prompt_lengths)
+    return checked_kills(kills_of(args), world_size, range(1, steps + 1), "a lockstep step", why)

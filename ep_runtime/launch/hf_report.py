@@ -1,7 +1,9 @@
 """The reporting process of an ``--hf-model`` run (``launch/hf_run.py``): every rank's tokens and
 logits against transformers' own greedy ``generate`` on the unpatched model, and the report. A
 model's FP8 experts are computed there by transformers' fp8 forward where it runs, else by the
-fp8 contract's math (said in the report)."""
+fp8 contract's math (said in the report). An ``--elastic`` run's survivors are validated the same
+way; its report adds the lost ranks, their requests (lost) and the recoveries
+(``hf_elastic_report``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 from rich.console import Console
 
 from ep_runtime.bench.report import _table, print_table, print_verdict
+from ep_runtime.launch.elastic_report import _ranks
+from ep_runtime.launch.hf_elastic_report import build_elastic, elastic_lines, elastic_verdict
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.tolerance import compare_per_token, tolerance_for
 
@@ -28,6 +32,10 @@ CONVENTIONS = (
     "validation: the unpatched model, transformers' greedy generate, in the reporting process; "
     "rel err = max over steps of |ours - ref| / |ref| of the logits (tolerance from "
     "ep_runtime/tolerance.py); tokens = same: every token equal, differ @i: from step i on",
+)
+LOST_CONVENTION = (
+    "--elastic: a rank lost (lost @N: killed in lockstep step N) has no row values and no "
+    "tokens: its request is not served; the others' are validated in full"
 )
 
 
@@ -154,10 +162,12 @@ def build_hf_report(
         row["passed"] = validation["passed"]
         per_rank.append(row)
     first = summaries[0]
+    elastic = build_elastic(spec, summaries) if spec.workload.elastic else None
+    conventions = [*CONVENTIONS, *([LOST_CONVENTION] if elastic else [])]
     return {
-        "passed": all(row["passed"] for row in per_rank),
+        "passed": all(row["passed"] for row in per_rank) and not (elastic or {}).get("problems"),
         "kind": "hf",
-        "world_size": len(summaries),
+        "world_size": spec.world_size,
         "launcher": launcher,
         "device": spec.device,
         "dtype": first["dtype"],
@@ -173,8 +183,9 @@ def build_hf_report(
         "tolerance": validations[0]["tolerance"],
         "experts_reference": validations[0]["experts_reference"],
         "per_rank": per_rank,
+        "elastic": elastic,
         "spec": spec.to_json(),
-        "conventions": list(CONVENTIONS),
+        "conventions": conventions,
         "elapsed_s": elapsed_s,
     }
 
@@ -204,6 +215,11 @@ def hf_verdict_line(report: dict) -> str:
         ranks = f"{len(differ)} of {report['world_size']} ranks"
     else:
         ranks = f"rank{'s' if len(differ) > 1 else ''} {', '.join(differ)}"
+    if report.get("elastic"):
+        error = f"{report['max_rel_err']:.1e}"
+        return elastic_verdict(
+            report["elastic"], report["passed"], ranks if differ else None, error
+        )
     tokens = f"tokens differ on {ranks}" if differ else "tokens as transformers'"
     word = "PASSED" if report["passed"] else "FAILED"
     return (
@@ -242,7 +258,12 @@ def print_hf_report(report: dict, console: Console) -> None:
         {"rank": "right", "host": "left", "experts": "right", "params": "right",
          "peak MB": "right", "rel err": "right", "tolerance": "right", "tokens": "left"},
     )  # fmt: skip
-    for r in report["per_rank"]:
+    lost = {q["rank"]: q for q in (report.get("elastic") or {}).get("lost_requests", [])}
+    for r in sorted([*report["per_rank"], *lost.values()], key=lambda row: row["rank"]):
+        if r["rank"] in lost:  # listed, not hidden: its request was not served
+            generation.add_row(str(r["rank"]), str(r["prompt_tokens"]), "lost", *["-"] * 5)
+            held.add_row(str(r["rank"]), *["-"] * 6, f"[red]lost @{r['step']}[/]")
+            continue
         v = r["validation"]
         generation.add_row(
             str(r["rank"]),
@@ -258,7 +279,7 @@ def print_hf_report(report: dict, console: Console) -> None:
         held.add_row(
             str(r["rank"]),
             r["host"],
-            f"{r['local_experts'][0]}-{r['local_experts'][1] - 1}",
+            _ranks(r["local_experts"]),
             _count(r["expert_params_kept"]),
             f"{r['peak_memory_bytes'] / 1e6:.0f}",
             f"{v['max_rel_err']:.1e}",
@@ -274,6 +295,8 @@ def print_hf_report(report: dict, console: Console) -> None:
     console.print(f"[dim]the model has {total} routed-expert parameters in all[/]")
     for line in report["conventions"]:
         console.print(f"[dim]{line}[/]", highlight=False)
+    for line in elastic_lines(report["elastic"]) if report.get("elastic") else []:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     print_verdict(hf_verdict_line(report), report["passed"], console)
 
 

@@ -8,13 +8,26 @@ to ``new_tokens + 2r`` new tokens (``--hf-idle-rank R``: no request), so ranks s
 at different steps. The reporting process then runs the unpatched model (transformers' own
 ``generate``, greedy) on every rank's prompt and requires the same tokens and logits within the
 derived tolerance (``ep_runtime/tolerance.py``; ``launch/hf_report.py``).
+
+``--elastic``: the MoE blocks are built on the rank runtime's ``ElasticGroup`` with a source for
+the experts a lost rank held (the seeded random model's, ``RandomExpertSource``, or the
+checkpoint's, ``load_sharded(elastic=)``). A rank named in ``--kill-rank R@N`` writes the time
+into the launcher's store and SIGKILLs itself as its first MoE block starts in lockstep step N
+(after the first layer's attention added to the KV cache). ``greedy_generate`` on the survivors
+undoes the failed step, recovers and runs it again; each survivor times, from its ``on_step``
+calls, when it served again and when the step run again was done. The survivors' requests are
+validated as any; the lost rank's is reported as lost.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import signal
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +36,8 @@ from rich.console import Console
 
 from ep_runtime.bench.metrics import peak_memory_bytes
 from ep_runtime.bench.report import write_json
+from ep_runtime.launch import elastic_options
+from ep_runtime.launch.elastic_run import KILLED_KEY, KillAt
 from ep_runtime.launch.hf_report import build_hf_report, print_hf_report, validate
 from ep_runtime.launch.presets import ModelPreset, RouterSpec
 from ep_runtime.launch.spec import RankContext, RunOutcome, RunSpec, Step, Workload, torch_dtype
@@ -43,6 +58,16 @@ class HFWorkload(Workload):
     mode: str = "exact"
     warmup: bool = True
     seed: int = 0
+    elastic: bool = False  # --elastic: the blocks on an ElasticGroup
+    kills: tuple[KillAt, ...] = ()  # --kill-rank R@N: rank R dies in lockstep step N
+
+    @property
+    def forms_elastic_group(self) -> bool:
+        return self.elastic
+
+    @property
+    def killed_ranks(self) -> frozenset[int]:
+        return frozenset(kill.rank for kill in self.kills)
 
     def prompt(self, rank: int, vocab_size: int) -> list[int]:
         """Rank ``rank``'s prompt ids, the same in every process."""
@@ -79,7 +104,7 @@ class HFWorkload(Workload):
         return report["passed"]
 
     def to_json(self) -> dict:
-        data = asdict(self)
+        data = asdict(self) | {"kills": [str(kill) for kill in self.kills]}
         hf = {"model": data.pop("hf_model")}
         hf |= {key: data.pop(key) for key in ("prompt_lengths", "new_tokens")}
         return data | {"hf": hf}
@@ -205,13 +230,22 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
             f"--dp: {args.hf_model} has {model.num_experts} experts, "
             f"not divisible by {world_size} ranks"
         )
+    new_tokens = tuple(args.hf_new_tokens + 2 * rank for rank in range(world_size))
+    kills: tuple[KillAt, ...] = ()
+    if args.elastic:
+        if getattr(config, "quantization_config", None) is not None:
+            raise ValueError(
+                "--elastic: expected a model without FP8 experts (a recovery moves unquantized "
+                f"weights only), given --hf-model {args.hf_model}"
+            )
+        kills = elastic_options.hf_kills(args, prompts, new_tokens)
     if os.path.isdir(args.hf_model):
         check_checkpoint(args.hf_model, config, world_size)
     workload = HFWorkload(
         hf_model=args.hf_model,
         model=model,
         prompt_lengths=prompts,
-        new_tokens=tuple(args.hf_new_tokens + 2 * rank for rank in range(world_size)),
+        new_tokens=new_tokens,
         dtype=args.dtype,
         dispatcher=args.dispatcher,
         experts=args.experts,
@@ -219,6 +253,8 @@ def build_spec(args: argparse.Namespace, world_size: int) -> RunSpec:
         mode=args.mode,
         warmup=args.warmup > 0,
         seed=args.seed,
+        elastic=args.elastic,
+        kills=kills,
     )
     return RunSpec(world_size, args.device, workload, timeout_s=args.timeout)
 
@@ -232,9 +268,21 @@ class HFRankWorker:
         self.rank = context.rank
         self.device = context.device
         self.dtype = workload.compute_dtype(context.device.type)
+        if workload.elastic and context.elastic is None:
+            raise RuntimeError("--elastic needs the rank runtime's ElasticGroup")
+        self.group = context.elastic  # None unless --elastic
+        self.my_kill = next((k.iteration for k in workload.kills if k.rank == self.rank), None)
+        self.last_step = 0  # the last lockstep step on_step saw done
+        self.resumes: list[dict] = []  # per recovery: when this rank served again, the step
+        # it ran again and when that was done (on_step's times)
 
     def setup(self) -> dict:
-        from ep_runtime.integrations.transformers import load_model, patch_moe_blocks
+        from ep_runtime.integrations.transformers import (
+            RandomExpertSource,
+            load_model,
+            patch_moe_blocks,
+            random_config,
+        )
 
         run = self.run
         options: dict[str, Any] = {
@@ -250,12 +298,17 @@ class HFRankWorker:
         if os.path.isdir(run.hf_model):  # a checkpoint: this rank reads only its part of it
             from ep_runtime.integrations.checkpoint import load_sharded
 
-            loaded = load_sharded(run.hf_model, dtype=self.dtype, **options)
+            loaded = load_sharded(run.hf_model, dtype=self.dtype, elastic=self.group, **options)
             model, self.report, self.load = loaded.model, loaded.patch, loaded.load
         else:
             model = load_model(
                 run.hf_model, seed=run.seed, dtype=self.dtype, device=str(self.device)
             )
+            if self.group is not None:  # the experts a lost rank held, read again
+                options["elastic"] = self.group
+                options["expert_source"] = RandomExpertSource(
+                    random_config(run.hf_model), seed=run.seed, dtype=self.dtype
+                )
             self.report = patch_moe_blocks(model, **options)
         gc.collect()
         self.model = model
@@ -268,9 +321,12 @@ class HFRankWorker:
         self._generate(min(2, self.run.new_tokens[self.rank]))
 
     def generate(self) -> None:
-        self.result = self._generate(self.run.new_tokens[self.rank])
+        on_step = None
+        if self.run.elastic:
+            on_step = self._on_step if self.my_kill is None else self._die_in(self.my_kill)
+        self.result = self._generate(self.run.new_tokens[self.rank], on_step)
 
-    def _generate(self, max_new_tokens: int):
+    def _generate(self, max_new_tokens: int, on_step: Callable[[int], None] | None = None):
         from ep_runtime.integrations.transformers import eos_ids, greedy_generate
 
         return greedy_generate(
@@ -279,7 +335,75 @@ class HFRankWorker:
             self.prompt or None,
             max_new_tokens,
             eos_token_id=eos_ids(self.model),
+            on_step=on_step,
         )
+
+    def _on_step(self, step: int) -> None:
+        """After lockstep step ``step`` (``greedy_generate``'s ``on_step``). Its first call after
+        a recovery repeats the last step every survivor completed (this rank serves again), or,
+        where that was none, is the end of the prefill run again."""
+        now = time.time()
+        if len(self.resumes) < len(self.report.recoveries):
+            repeated = step <= self.last_step
+            self.resumes.append(
+                {
+                    "resumed_at": now if repeated else None,
+                    "step": step + 1 if repeated else step,
+                    "done_at": None if repeated else now,
+                }
+            )
+        elif self.resumes and self._awaited(step):
+            self.resumes[-1]["done_at"] = now
+        self.last_step = step
+
+    def _awaited(self, step: int) -> bool:
+        """Whether ``step`` is the one run again after the last recovery, not yet done."""
+        last = self.resumes[-1]
+        return last["done_at"] is None and last["step"] == step
+
+    def _die_in(self, step: int) -> Callable[[int], None]:
+        """``--kill-rank``: this rank writes the time into the launcher's store and SIGKILLs
+        itself as its first MoE block starts in lockstep step ``step`` (a hook on the block,
+        armed by the ``on_step`` returned after step ``step - 1``)."""
+        armed = [step == 1]
+
+        def die(*_: object) -> None:
+            if armed[0]:
+                record = json.dumps({"step": step, "at": time.time()})
+                self.group.store.set(f"{KILLED_KEY}{self.rank}", record)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_step(done: int) -> None:
+            self._on_step(done)
+            armed[0] = done == step - 1
+
+        self.report.blocks[0].module.register_forward_pre_hook(die)
+        return on_step
+
+    def _elastic_summary(self) -> dict:
+        """The kills (from the store), the recoveries this rank went through with its times
+        around each, and the group it ended in."""
+        result, store = self.result, self.group.store
+        kills = []
+        for kill in self.run.kills:
+            key = f"{KILLED_KEY}{kill.rank}"
+            if store.check([key]):
+                kills.append({"rank": kill.rank, **json.loads(store.get(key).decode())})
+        unseen = {"resumed_at": None, "step": None, "done_at": None}  # no on_step after it
+        recoveries = [
+            asdict(recovery)
+            | {"total_s": recovery.total_s, "lines": recovery.lines()}
+            | (self.resumes[index] if index < len(self.resumes) else unseen)
+            for index, recovery in enumerate(result.recoveries)
+        ]
+        return {
+            "kills": kills,
+            "recoveries": recoveries,
+            "lost_ranks": list(result.lost_ranks),
+            "retried_steps": result.retried_steps,
+            "new_rank": self.report.rank,
+            "members": list(self.group.members),
+        }
 
     def summarize(self) -> dict:
         result, report = self.result, self.report
@@ -308,7 +432,7 @@ class HFRankWorker:
             "moe_s": result.moe_s,
             "tokens_per_s": generated / result.active_s if result.active_s > 0 else 0.0,
             "decode_tokens_per_s": (generated - 1) / decode_s if generated > 1 else 0.0,
-            "local_experts": [report.local_experts.start, report.local_experts.stop],
+            "local_experts": list(report.local_experts),  # of the first block, per slot
             "num_experts": report.num_experts,
             "expert_params_kept": report.expert_params_kept,
             "expert_params_freed": report.expert_params_freed,
@@ -319,7 +443,7 @@ class HFRankWorker:
             "load": None if self.load is None else self.load.describe(),
             "load_s": None if self.load is None else self.load.total_s,
             "bytes_read": None if self.load is None else self.load.bytes_read,
-        }
+        } | (self._elastic_summary() if self.run.elastic else {})
 
     def close(self) -> None:
         for block in getattr(getattr(self, "report", None), "blocks", []):

@@ -59,8 +59,6 @@ def _no_launch(*args):
         (["--elastic", "--dispatcher", "torch_symm_mem"],
          "--dispatcher: expected one that is built again on a re-formed group with --elastic "
          "(deepep_v2, local, torch_a2a), given 'torch_symm_mem'"),
-        (["--elastic", "--hf-model", "some/dir"],
-         "--elastic: expected the synthetic layer (no --hf-model), given --hf-model some/dir"),
     ],
 )  # fmt: skip
 def test_bad_elastic_arguments_are_one_line_exit_2(argv, line, capsys, monkeypatch):

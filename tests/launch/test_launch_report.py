@@ -234,7 +234,7 @@ def _hf_report(world: int = 2, mismatch_rank: int | None = None) -> dict:
                 "tokens": list(range(12 + 2 * rank)), "logits": None, "steps": 14,
                 "idle_steps": 2 - rank, "prefill_s": 0.0654, "active_s": 0.6, "total_s": 0.635,
                 "moe_s": 0.468, "tokens_per_s": 21.3, "decode_tokens_per_s": 25.0,
-                "local_experts": [6 * rank, 6 * rank + 6], "num_experts": 12,
+                "local_experts": list(range(6 * rank, 6 * rank + 6)), "num_experts": 12,
                 "expert_params_kept": 73_728, "expert_params_freed": 147_456,
                 "held_expert_bytes": 294_912, "params_before_patch": 1, "params_after_patch": 1,
                 "peak_memory_bytes": 487_000_000,
