@@ -181,11 +181,11 @@ def _lost_work(
 
 
 # ----------------------------------------------------------------- printing
-def _ms(seconds: float | None) -> str:
+def as_ms(seconds: float | None) -> str:
     return "       -" if seconds is None else f"{seconds * 1e3:8.1f}"
 
 
-def _ranks(ids: Sequence[int]) -> str:
+def rank_list(ids: Sequence[int]) -> str:
     """Sorted ids with each run of three or more as ``first-last``: ``0, 1, 3-7``."""
     parts: list[str] = []
     run: list[int] = []
@@ -235,27 +235,27 @@ def report_lines(report: dict) -> list[str]:
         )
     lines += [f"problem: {p}" for p in report["problems"]]
     lines.append(_verdict(report))
-    return _fitted(lines)
+    return fitted(lines)
 
 
 def _recovery_lines(index: int, r: dict) -> list[str]:
     origins = r["origins"]
     lost = r["from_replicas"] + r["regenerated"]
     lines = [
-        f"Recovery {index + 1}: survivors {_ranks(r['members'])} are ranks "
-        f"{_ranks(range(len(r['members'])))} of generation {r['generation']} "
+        f"Recovery {index + 1}: survivors {rank_list(r['members'])} are ranks "
+        f"{rank_list(range(len(r['members'])))} of generation {r['generation']} "
         f"({r['attempts']} attempt{'s' if r['attempts'] > 1 else ''})",
         "  step (slowest survivor)        ms",
-        f"  detected                 {_ms(r['detect_s'])}  kill -> survivors' RemoteRankError",
-        f"  members agreed           {_ms(r['members_s'])}  through the launcher's store",
-        f"  group re-formed          {_ms(r['reform_s'])}  a new default process group",
-        f"  weights re-homed         {_ms(r['rehome_s'])}  placement, moves, regeneration",
-        f"  layer rebuilt            {_ms(r['rebuild_s'])}",
-        f"  first forward            {_ms(r['first_forward_s'])}  vs reference_moe: "
+        f"  detected                 {as_ms(r['detect_s'])}  kill -> survivors' RemoteRankError",
+        f"  members agreed           {as_ms(r['members_s'])}  through the launcher's store",
+        f"  group re-formed          {as_ms(r['reform_s'])}  a new default process group",
+        f"  weights re-homed         {as_ms(r['rehome_s'])}  placement, moves, regeneration",
+        f"  layer rebuilt            {as_ms(r['rebuild_s'])}",
+        f"  first forward            {as_ms(r['first_forward_s'])}  vs reference_moe: "
         f"{'ok' if r['first_forward_passed'] else 'FAIL'}",
-        f"  kill -> first correct    {_ms(r['kill_to_first_correct_s'])}  "
-        f"recover() took {_ms(r['recovery_s']).strip()}",
-        f"  lost experts {_ranks(lost)}: {len(r['from_replicas'])} from replicas on "
+        f"  kill -> first correct    {as_ms(r['kill_to_first_correct_s'])}  "
+        f"recover() took {as_ms(r['recovery_s']).strip()}",
+        f"  lost experts {rank_list(lost)}: {len(r['from_replicas'])} from replicas on "
         f"survivors, {len(r['regenerated'])} regenerated from the seed",
         f"  slots on the survivors: {origins['kept']} kept, {origins['moved']} moved, "
         f"{origins['source']} regenerated",
@@ -269,7 +269,7 @@ def _lost_work_lines(lost: dict) -> list[str]:
     lines = [f"Lost work: {lost['tokens']} tokens"]
     for f in lost["failed_forwards"]:
         lines.append(
-            f"  iteration {f['iteration']}: forward failed on ranks {_ranks(f['ranks'])} "
+            f"  iteration {f['iteration']}: forward failed on ranks {rank_list(f['ranks'])} "
             f"({f['tokens_per_rank']} tokens each)"
         )
     for n in lost["not_run"]:
@@ -310,7 +310,7 @@ def _measured(load: dict) -> str:
 def _verdict(report: dict) -> str:
     """One line: passed or not, the ranks lost, how soon the survivors served correctly."""
     lost = report["lost_ranks"]
-    who = f"rank{'s' if len(lost) > 1 else ''} {_ranks(lost)} lost" if lost else "no rank lost"
+    who = f"rank{'s' if len(lost) > 1 else ''} {rank_list(lost)} lost" if lost else "no rank lost"
     if not report["passed"]:
         return f"FAILED: {who}; {len(report['problems'])} problem(s) above"
     totals = [r["kill_to_first_correct_s"] for r in report["recoveries"]]
@@ -323,7 +323,7 @@ def print_report(report: dict, console: Console) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _fitted(lines: list[str]) -> list[str]:
+def fitted(lines: list[str]) -> list[str]:
     """Lines longer than ``WIDTH`` folded at spaces, the rest indented (a long list of ids)."""
     return [
         part

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ep_runtime.launch.elastic_report import STEPS, WIDTH, _fitted, _ms, _ranks
+from ep_runtime.launch.elastic_report import STEPS, WIDTH, as_ms, fitted, rank_list
 
 if TYPE_CHECKING:
     from ep_runtime.launch.spec import RunSpec
@@ -127,7 +127,7 @@ def elastic_lines(elastic: dict) -> list[str]:
     for index, recovery in enumerate(elastic["recoveries"]):
         lines += _recovery_lines(index, recovery)
     lines += [f"problem: {problem}" for problem in elastic["problems"]]
-    return _fitted(lines)
+    return fitted(lines)
 
 
 def _recovery_lines(index: int, r: dict) -> list[str]:
@@ -137,7 +137,7 @@ def _recovery_lines(index: int, r: dict) -> list[str]:
     pairs = zip(r["from_replicas"], r["from_source"], strict=True)
     per_block = {tuple(sorted([*copied, *source])) for copied, source in pairs}
     experts = (
-        f"lost experts {_ranks(next(iter(per_block)))} in each of {r['blocks']} blocks"
+        f"lost experts {rank_list(next(iter(per_block)))} in each of {r['blocks']} blocks"
         if len(per_block) == 1
         else f"lost experts over {r['blocks']} blocks"
     )
@@ -148,16 +148,16 @@ def _recovery_lines(index: int, r: dict) -> list[str]:
         ("weights re-homed", r["rehome_s"], "placement, moves, experts read"),
         ("blocks rebuilt", r["rebuild_s"], "every MoE block, on the new group"),
         ("kill -> serving again", r["serving_again_s"],
-         f"detection, recover() ({_ms(r['recovery_s']).strip()})"),
+         f"detection, recover() ({as_ms(r['recovery_s']).strip()})"),
         (f"step {step} run again", r["step_again_s"], "what it added to the KV cache undone first"),
         (f"kill -> step {step} done", r["kill_to_step_done_s"], ""),
     ]  # fmt: skip
     return [
-        f"Recovery {index + 1}: survivors {_ranks(r['members'])} are ranks "
-        f"{_ranks(range(len(r['members'])))} of generation {r['generation']} "
+        f"Recovery {index + 1}: survivors {rank_list(r['members'])} are ranks "
+        f"{rank_list(range(len(r['members'])))} of generation {r['generation']} "
         f"({r['attempts']} attempt{'s' if r['attempts'] > 1 else ''})",
         "  step (slowest survivor)        ms",
-        *(f"  {label:<25}{_ms(seconds)}  {what}".rstrip() for label, seconds, what in timeline),
+        *(f"  {label:<25}{as_ms(seconds)}  {what}".rstrip() for label, seconds, what in timeline),
         f"  {experts}: {replicas} from replicas, {read} read from the source",
         f"  slots on the survivors: {origins.get('kept', 0)} kept, {origins.get('moved', 0)} "
         f"moved, {origins.get('source', 0)} read",
@@ -171,7 +171,7 @@ def elastic_verdict(elastic: dict, passed: bool, differ: str | None, error: str)
     kills = elastic["kills"]
     ranks = [kill["rank"] for kill in kills]
     plural = "s" if len(ranks) > 1 else ""
-    who = f"rank{plural} {_ranks(ranks)} lost"
+    who = f"rank{plural} {rank_list(ranks)} lost"
     steps = f"{who} at step{plural} {', '.join(str(kill['step']) for kill in kills)}"
     if passed:
         outcome = f"survivors' tokens as transformers' (err {error})"

@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from ep_runtime.bench.report import _table, print_table, print_verdict
-from ep_runtime.launch.elastic_report import _ranks
+from ep_runtime.launch.elastic_report import rank_list
 from ep_runtime.launch.hf_elastic_report import build_elastic, elastic_lines, elastic_verdict
 from ep_runtime.launch.spec import RunSpec
 from ep_runtime.tolerance import compare_per_token, tolerance_for
@@ -279,7 +279,7 @@ def print_hf_report(report: dict, console: Console) -> None:
         held.add_row(
             str(r["rank"]),
             r["host"],
-            _ranks(r["local_experts"]),
+            rank_list(r["local_experts"]),
             _count(r["expert_params_kept"]),
             f"{r['peak_memory_bytes'] / 1e6:.0f}",
             f"{v['max_rel_err']:.1e}",
