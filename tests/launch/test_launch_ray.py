@@ -193,17 +193,24 @@ def test_address_auto_without_a_cluster_exits_2_before_starting(launcher_runs):
     assert not any("raylet" in cmd or "gcs_server" in cmd for cmd in run.seen.values())
 
 
+def _no_launch(*args):
+    raise AssertionError("the launcher went on to start its ranks (and Ray)")
+
+
 @pytest.mark.parametrize("option", ["--json", "--plot"])
-def test_unwritable_output_exits_2_before_ray_starts(tmp_path, option, launcher_runs):
+def test_unwritable_output_exits_2_before_ray_starts(tmp_path, option, monkeypatch, capsys):
+    """In process (the CLI's ``main``; no subprocess needed): ``_launch``, which starts Ray and
+    the ranks, fails the test if it is reached."""
+    from ep_runtime.launch import cli
+
+    monkeypatch.setattr(cli, "_launch", _no_launch)
     unwritable = tmp_path / "missing-dir" / "out.file"
-    run = launcher_runs("--dp", "2", option, str(unwritable))
-    code, output = run.finish(timeout=60)
-    assert code == 2, output
-    assert output.strip().splitlines() == [
+    assert cli.main(["--dp", "2", option, str(unwritable)]) == cli.EXIT_USAGE
+    output = capsys.readouterr()
+    assert (output.out + output.err).strip().splitlines() == [
         f"error: {option}: expected a writable file, given '{unwritable}' "
         "(No such file or directory)"
     ]
-    assert not any("raylet" in cmd for cmd in run.seen.values())  # no cluster was started
 
 
 # ray start + ray job submit ---------------------------------------------------------------------
