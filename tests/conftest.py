@@ -112,6 +112,17 @@ def launcher_runs() -> Iterator[Callable[..., Run]]:
         run.close()
 
 
+# The two-host test's module fixture (two network namespaces on one fixed subnet, a Ray cluster
+# across them) cannot run twice at once: its tests run first, so that under `-n 2 --dist
+# worksteal` (README, CI) the first worker takes them all at once and none is stolen away (a
+# steal takes the tail of a worker's queue); it is the longest module too.
+RUN_FIRST = ("tests/launch/test_launch_multihost.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RUN_FIRST)  # stable
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and isinstance(report.longrepr, tuple):
         _skips.append((report.nodeid, str(report.longrepr[2])))

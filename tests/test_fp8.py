@@ -113,9 +113,11 @@ def fp8_inputs(
     seed: int = 0,
     hidden: int = H,
     intermediate: int = I,
+    experts_with_rows: int = E,
 ):
     """Weights generated in bf16 and quantized per block (the launcher's recipe); ids with -1
-    slots and a token served by nobody; NaN weights on -1 slots."""
+    slots and a token served by nobody; NaN weights on -1 slots. ``experts_with_rows``: the ids
+    name only every ``E / experts_with_rows``-th expert (the others get no rows)."""
     generator = torch.Generator().manual_seed(seed)
     rows = 2 * intermediate if activation == "silu" else intermediate
     w13 = (torch.randn(E, rows, hidden, generator=generator) / hidden**0.5).to(torch.bfloat16)
@@ -123,7 +125,8 @@ def fp8_inputs(
     q13, s13 = quantize_weight_blocks(w13)
     q2, s2 = quantize_weight_blocks(w2.to(torch.bfloat16))
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)
-    ids = torch.rand(tokens, E, generator=generator).topk(K, dim=1).indices
+    every = E // experts_with_rows
+    ids = torch.rand(tokens, experts_with_rows, generator=generator).topk(K, dim=1).indices * every
     ids = torch.where(torch.rand(tokens, K, generator=generator) < 0.15, -1, ids)
     ids[tokens // 2] = -1
     weights = 0.25 + 1.5 * torch.rand(tokens, K, generator=generator)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.listeners import Listener, listening_in_namespace, ray_grpc_ports
-from tests.support.processes import ENV, alive, kill_all, process_table
+from tests.support.processes import ENV, alive, command_line, kill_all, process_table
 
 SUBNET = "10.213.71"  # private /24, lives only inside the two namespaces
 GLOO = "GLOO_SOCKET_IFNAME"
@@ -241,9 +241,8 @@ class TwoHosts:
             job = subprocess.Popen(argv, env=self.env(a), stdout=out, stderr=err, text=True)
             deadline = time.monotonic() + JOB_TIMEOUT_S
             while watch and job.poll() is None and time.monotonic() < deadline:
-                table = process_table()
                 for host in self.hosts:
-                    run = [p for p in self._netns_pids(host.netns) if _of_the_run(table, p)]
+                    run = [p for p in self._netns_pids(host.netns) if _of_the_run(p)]
                     seen[host.name] |= listening_in_namespace(run)
                 time.sleep(0.1)
             try:
@@ -261,9 +260,9 @@ class TwoHosts:
         return done, seen
 
 
-def _of_the_run(table: dict[int, tuple[int, str, str]], pid: int) -> bool:
+def _of_the_run(pid: int) -> bool:
     """The launcher's driver (not ``ray job submit``) or one of its rank actors."""
-    command = table.get(pid, (0, "", ""))[2]
+    command = command_line(pid)
     return command.startswith("ray::RankActor") or (
         "ep_runtime.launch" in command and "job submit" not in command
     )

@@ -6,6 +6,7 @@ fp8 reference says in one line why transformers' fp8 forward did not run."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 from pathlib import Path
 
@@ -195,19 +196,24 @@ def test_progress_is_drawn_on_a_terminal_only():
 
 
 @needs_transformers
-def test_a_piped_run_shows_no_progress_bar_and_ends_with_the_verdict(tmp_path: Path):
+def test_a_piped_checkpoint_run_reads_shards_shows_no_progress_bar_ends_with_the_verdict(
+    tmp_path: Path,
+):
     """A checkpoint directory, so that the reporting process loads it with transformers'
-    ``from_pretrained`` (its "Loading weights" bar), on spawn ranks; stdout and stderr piped."""
+    ``from_pretrained`` (its "Loading weights" bar), on spawn ranks; stdout and stderr piped.
+    The same run is the launcher's sharded load of a checkpoint directory: each rank reads the
+    dense part (DeepSeek-V2's shared experts included) and half the routed experts, and prints
+    what it read."""
     from ep_runtime.integrations.transformers import build_random_model, random_config
     from tests.support.checkpoint_files import write_checkpoint
 
-    checkpoint = write_checkpoint(
-        build_random_model(random_config("qwen3-moe"), seed=0), tmp_path / "ckpt"
-    )
+    model = build_random_model(random_config("deepseek-v2"), seed=0)
+    checkpoint = write_checkpoint(model, tmp_path / "ckpt")
     env = {k: v for k, v in ENV.items() if k != HF_PROGRESS_BARS_OFF}
     argv = ["--launcher", "spawn", "--dp", "2", "--device", "cpu", "--hf-model", str(checkpoint)]
+    report = tmp_path / "report.json"
     run = subprocess.run(
-        [*LAUNCH, *argv, "--hf-new-tokens", "3"],
+        [*LAUNCH, *argv, "--hf-new-tokens", "3", "--json", str(report)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -219,6 +225,12 @@ def test_a_piped_run_shows_no_progress_bar_and_ends_with_the_verdict(tmp_path: P
     for character in BAR_CHARACTERS:
         assert character not in output, (character, output)
     assert run.stdout.strip().splitlines()[-1].startswith("PASSED: tokens as transformers'")
+    total = sum(p.numel() * 4 for p in model.parameters())
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    for rank, row in enumerate(json.loads(report.read_text())["per_rank"]):
+        assert row["bytes_read"] == total - experts // 2, f"rank {rank}"  # dense + half the experts
+        assert row["load_s"] > 0 and f"rank {rank}/2: read " in row["load"]
+        assert " ".join(row["load"].split()) in " ".join(run.stdout.split())  # printed (wrapped)
 
 
 @needs_transformers

@@ -3,20 +3,28 @@ from outside with psutil while the run is alive, are all on loopback. The rendez
 one torch would bind to every interface (shown here as the control); gloo follows the loopback
 interface the launcher sets. Under Ray, Ray's own services listen on loopback too (the launcher
 starts its private cluster on 127.0.0.1); they are reported apart, with what each answers to a
-client without Ray's token."""
+client without Ray's token.
+
+Each run is then ended as a user ends one (a run costs seconds of start-up, so one run serves
+both): the spawn run by Ctrl-C to its process group, the Ray run by SIGINT to the launcher, and
+the checks of those ends (tests/launch/test_launch_runs.py, test_launch_ray.py) are made here:
+exit 130 within 10 s, every process of the run gone, the Ray cluster's temp dir too."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch.distributed as dist
 
+from ep_runtime.launch.cli import EXIT_INTERRUPTED
 from ep_runtime.launch.network import interface_addresses
 from ep_runtime.launch.rendezvous import LOOPBACK, host_store, join_store
 from tests.support.listeners import (
@@ -29,9 +37,17 @@ from tests.support.listeners import (
     ray_session_dir,
     sample,
 )
-from tests.support.processes import Run, descendants
+from tests.support.processes import (
+    Run,
+    alive,
+    cpu_seconds,
+    descendants,
+    kill_all,
+    ray_temp_dirs,
+)
 
 RUN_TIMEOUT_S = 150  # rank start-up on a busy 2-core box takes up to a minute
+INTERRUPT_BUDGET_S = 10.0  # an interrupted run must end within this
 LONG_RUN = ("--dp", "2", "--iters", "1000000", "--warmup", "1", "--no-baselines")
 PATHS = ("/metrics", "/api/local_raylet_healthz")  # Prometheus; the agent's health URL
 GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
@@ -70,6 +86,19 @@ def _describe(listeners: set[Listener]) -> str:
     return "; ".join(f"{item} ({_command(item.pid)[:60]})" for item in sorted(listeners, key=str))
 
 
+def _interrupt(run: Run, group: bool) -> tuple[int, str]:
+    """SIGINT to the run's process group (a terminal's Ctrl-C) or to the launcher alone; its
+    exit code and output, checked to come within ``INTERRUPT_BUDGET_S``."""
+    if group:
+        os.killpg(run.process.pid, signal.SIGINT)  # the run is its own process group
+    else:
+        run.process.send_signal(signal.SIGINT)
+    interrupted_at = time.monotonic()
+    code, output = run.finish(timeout=60)
+    assert time.monotonic() - interrupted_at < INTERRUPT_BUDGET_S, output
+    return code, output
+
+
 # the store helper -------------------------------------------------------------------------------
 def test_torch_store_listens_everywhere_but_ours_on_its_address_only():
     """The control first: a plain TCPStore given 127.0.0.1 listens on every interface (what the
@@ -97,9 +126,11 @@ def _spawn_ranks(root: int) -> list[int]:
     return [pid for pid, cmd in descendants(root).items() if "spawn_main" in cmd]
 
 
-def test_spawn_run_listens_on_loopback_only(launcher_runs):
+def test_spawn_run_listens_on_loopback_only_and_ctrl_c_stops_every_rank(launcher_runs):
     """W = 2: the parent's store and each rank's gloo listener, nothing else, all on loopback;
-    the ranks reach the store and each other through them."""
+    the ranks reach the store and each other through them. Then Ctrl-C (SIGINT to every
+    process of the run's group, as a terminal does) once the ranks are in their timed loop:
+    exit 130, "interrupted" without a traceback, no rank left."""
     run = launcher_runs("--launcher", "spawn", *LONG_RUN)
     root = run.process.pid
 
@@ -131,16 +162,27 @@ def test_spawn_run_listens_on_loopback_only(launcher_runs):
         gloo[first].port,
     ) in _remote_ends(second)
 
+    def busy(tree: dict[int, str]) -> bool:  # 3 s of CPU each (torch, the group): timed loop
+        return all(cpu_seconds(pid) >= 3.0 for pid in ranks)
+
+    assert run.watch_until(busy, timeout=120), "ranks never got going"
+    code, output = _interrupt(run, group=True)
+    assert code == EXIT_INTERRUPTED, output
+    assert "interrupted" in output and "KeyboardInterrupt" not in output
+    assert not alive(ranks)
+    run.assert_nothing_left()
+
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
-def test_local_ray_run_listens_on_loopback_only_ray_included(launcher_runs, capsys):
+def test_local_ray_run_listens_on_loopback_only_and_ctrl_c_tears_it_down(launcher_runs, capsys):
     """W = 2 on a local Ray cluster: every process of the run listens on loopback only, Ray's
     own services included (the launcher starts Ray on 127.0.0.1: ``node_on_loopback``). In the
     driver and the rank actors, every listener that is not one of Ray's gRPC servers (Ray logs
     each with its pid and port) is ours: the store and one gloo listener per rank. The GCS
     refuses a call without Ray's token; with the ``cluster`` extra (``ray[default]``) Ray's
     agent serves metrics that answer without it (all such listeners are reported: the table in
-    docs/security.md)."""
+    docs/security.md). Then Ctrl-C to the launcher while the ranks run: exit 130, "interrupted",
+    every process of the run gone and its private cluster's temp dir removed."""
     import grpc
     from ray._private.utils import get_dashboard_dependency_error
 
@@ -191,6 +233,12 @@ def test_local_ray_run_listens_on_loopback_only_ray_included(launcher_runs, caps
         open_to_all = [item for item, answer in answers.items() if answer != "gRPC"
                        and answer["/metrics"] == 200]  # fmt: skip
         assert any(item.pid == agent for item in open_to_all), _describe(rays)
+    assert running(set()), "the ranks stopped before the interrupt"
+    code, output = _interrupt(run, group=False)
+    assert code == EXIT_INTERRUPTED, output
+    assert "interrupted" in output
+    run.assert_nothing_left()
+    assert ray_temp_dirs(root) == []
 
 
 def test_torchrun_on_one_node_ranks_listen_on_loopback_only(launcher_runs, capsys):
@@ -222,3 +270,6 @@ def test_torchrun_on_one_node_ranks_listen_on_loopback_only(launcher_runs, capsy
         assert len(own) == 1 and all(item.loopback for item in own), _describe(own)
     with capsys.disabled():
         print(f"\ntorchrun's own listeners: {_describe(agent)}")
+    # torchrun's agent outlives a SIGINT or SIGTERM by over 30 s here (the teardown would wait
+    # its grace first): nothing is checked of this run's end, so it is killed at once
+    kill_all([run.process.pid, *run.seen], grace_s=0)

@@ -1,9 +1,14 @@
 """A pool of real rank processes per world size, reused across test cases.
 
-Each rank is a spawned process with a torch.distributed group (NCCL when there is one GPU per rank,
-else gloo on CPU) and an explicit timeout. ``RankPool.run(fn, *args)`` runs ``fn`` on every rank
-and returns the per-rank results (or ``RankFailure``s); a case that hangs past its timeout tears
-the pool down so the next case gets a fresh one. Nothing waits forever.
+Each rank is a process of its own with a torch.distributed group (NCCL when there is one GPU per
+rank, else gloo on CPU) and an explicit timeout. ``RankPool.run(fn, *args)`` runs ``fn`` on every
+rank and returns the per-rank results (or ``RankFailure``s); a case that hangs past its timeout
+tears the pool down so the next case gets a fresh one. Nothing waits forever.
+
+Rank processes come from a fork server that has imported torch and this module once (it never
+touches a GPU), so a fresh pool costs a fork per rank instead of a new interpreter importing
+torch (seconds per rank on a 2-core machine); each rank starts from the environment of the
+process that made its pool, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def _rank_main(
     inbox,
     outbox,
 ) -> None:
+    os.environ.clear()  # the fork server's environment is the one it started with
     os.environ.update(env)
     apply_interface_defaults(LOOPBACK)  # gloo and NCCL on loopback, as the store
     import_test_backends()
@@ -118,11 +124,12 @@ class RankPool:
         world_size: int,
         start_timeout_s: float = 120.0,
         group_timeout_s: float = GROUP_TIMEOUT_S,
-        env: dict[str, str] | None = None,  # set in every rank process before anything runs
+        env: dict[str, str] | None = None,  # set in every rank process (over this one's)
     ) -> None:
         self.world_size = world_size
         self.backend = pick_backend(world_size)
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # torch and this module, imported once
         self._store = host_store(LOOPBACK, world_size + 1, group_timeout_s)
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world_size)]
@@ -135,7 +142,7 @@ class RankPool:
                     self.backend,
                     self._store.port,
                     group_timeout_s,
-                    dict(env or {}),
+                    {**os.environ, **(env or {})},
                     self._inboxes[rank],
                     self._outbox,
                 ),
@@ -149,15 +156,18 @@ class RankPool:
         self.broken = False
         self._collect("ready", start_timeout_s)
 
-    def _collect(self, task_id: object, timeout_s: float) -> list[Any]:
+    def _collect(self, task_id: object, timeout_s: float, dying: int | None = None) -> list[Any]:
+        """Every rank's payload for ``task_id``; ``dying``: a rank meant to die in this task,
+        whose payload is not waited for (``None``) and whose death breaks nothing."""
         results: dict[int, Any] = {}
+        awaited = set(range(self.world_size)) - {dying}
         deadline = time.monotonic() + timeout_s
-        while len(results) < self.world_size:
+        while not awaited <= set(results):
             remaining = deadline - time.monotonic()
             try:
                 got_id, rank, payload = self._outbox.get(timeout=max(0.01, min(1.0, remaining)))
             except queue.Empty:
-                dead = [p for p in self._processes if not p.is_alive()]
+                dead = [r for r in awaited if not self._processes[r].is_alive()]
                 if time.monotonic() >= deadline or dead:
                     self.close()
                     reason = "a rank process died" if dead else f"no result in {timeout_s:.0f} s"
@@ -165,7 +175,7 @@ class RankPool:
                 continue
             if got_id == task_id:
                 results[rank] = payload
-        return [results[rank] for rank in range(self.world_size)]
+        return [results.get(rank) for rank in range(self.world_size)]
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any
@@ -181,6 +191,30 @@ class RankPool:
         if any(isinstance(r, RankFailure) and _breaks_the_group(r) for r in results):
             self.close()  # a timed-out collective can leave the group out of step
         return results
+
+    def run_with_a_death(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        dying: int,
+        timeout_s: float = 120.0,
+        **kwargs: Any,
+    ) -> tuple[list[Any], list[int | None]]:
+        """``fn(*args, **kwargs)`` on every rank, in which rank ``dying`` is meant to die (a
+        group cannot go on without it): each survivor's result or ``RankFailure`` (``None`` at
+        ``dying``); then the pool is closed (each survivor tears its group down and exits);
+        and every rank process's exit code (minus the signal that ended it)."""
+        if self.broken:
+            raise PoolBroken("pool was shut down")
+        self._task_id += 1
+        for inbox in self._inboxes:
+            inbox.put((self._task_id, fn, args, kwargs))
+        try:
+            payloads = self._collect(self._task_id, timeout_s, dying)
+        finally:
+            self.close()
+        results = [None if payload is None else payload[1] for payload in payloads]
+        return results, [process.exitcode for process in self._processes]
 
     def run_ok(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Like ``run`` but raises if any rank failed, with every rank's traceback."""

@@ -1,6 +1,7 @@
 """Groups of rank scripts run as a user's would be (``python -m MODULE --rank R ...``, one process
-per rank, gloo over a store this process hosts): for cases in which a rank dies, which a pool of
-reused rank processes cannot survive. Each surviving rank prints one JSON line."""
+per rank, gloo over a store this process hosts): for cases in which a rank dies the way a script
+does (an uncaught exception through ``sys.excepthook``, then the interpreter's exit), which a
+pool's rank process would not show. Each surviving rank prints one JSON line."""
 
 from __future__ import annotations
 

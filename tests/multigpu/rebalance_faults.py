@@ -1,11 +1,14 @@
 """Rank-side fault injection into a placement change (``layer.rebalance()``, eplb/transaction.py):
 one rank fails a step (an exception in planning, packing, the exchange before or after its
-collective, staging, the backend reload), skips the call, rebalances another layer or passes
-another load; every rank reports how its call ended and how long it took, what placement and
-slot weights it holds afterwards, and whether the next forward matches ``reference_moe``."""
+collective, staging, the backend reload), skips the call, rebalances another layer, passes
+another load or is SIGKILLed as it enters one of the change's collectives; every (surviving) rank
+reports how its call ended and how long it took, what placement and slot weights it holds
+afterwards, and whether the next forward matches ``reference_moe``."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,8 @@ INJECTED = "injected failure in a placement change (as an out-of-memory error wo
 FAILING_STEPS = ("plan", "pack", "allocate", "unpack", "stage", "reload")
 ELSEWHERE = ("skip", "other_layer", "other_load")
 IN_PLACE = ("pack", "unpack", "stage", "skip")  # faults run where the commit writes in place
+# where a killed rank dies: as it enters each collective of the change, or after its vote
+KILL_POINTS = ("open", "sum_load", "agree", "exchange", "vote", "after_vote")
 
 
 @dataclass(frozen=True)
@@ -166,5 +171,51 @@ def diverged_placement(spec: CaseSpec, redundant: int, bad_rank: int) -> tuple[s
         next_ok = forward_matches(layer, spec, seed=2)
         dist.barrier()
         return ended[0], ended[1], next_ok
+    finally:
+        layer.close()
+
+
+def _die(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(layer: EPMoE, point: str) -> None:
+    """Make this rank die at ``point`` (of ``KILL_POINTS``) of its next placement change."""
+    if point == "open":
+        layer.dispatcher.open_placement_change = _die
+    elif point == "vote":
+        layer.dispatcher.comm.vote = _die
+    elif point == "after_vote":
+        PlacementChange.commit = _die
+    else:
+        setattr(PlacementChange, point, _die)
+
+
+def killed_rebalance(spec: CaseSpec, redundant: int, victim: int, point: str) -> dict:
+    """A forward, then a rebalance in which ``victim`` SIGKILLs itself at ``point`` (this
+    process, which its pool then loses); each survivor returns how its rebalance ended and how
+    long it took, the placement and slot weights it holds afterwards and how its next forward
+    ended."""
+    layer = build_layer(spec, redundant)
+    try:
+        forward_matches(layer, spec, seed=1)  # the group is up and counted a skewed load
+        initial = layer.placement
+        if dist.get_rank() == victim:
+            _arm(layer, point)
+        error_type, message, seconds = _attempt(layer.rebalance)
+        next_error_type, next_message, next_seconds = _attempt(
+            lambda: forward_matches(layer, spec, seed=2)
+        )
+        return {
+            "error_type": error_type,
+            "message": message,
+            "seconds": seconds,
+            "fingerprint": layer.placement.fingerprint(),
+            "initial": layer.placement == initial,
+            "slots_hold_their_experts": slots_hold_their_experts(layer, spec),
+            "next_error_type": next_error_type,
+            "next_message": next_message,
+            "next_seconds": next_seconds,
+        }
     finally:
         layer.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ep_runtime.dispatch.setup import DEVICE_CHECKS_ENV
-from tests.multigpu import fault_cases
+from tests.multigpu import dying_rank, fault_cases
 from tests.multigpu.pool import RankPool
 from tests.multigpu.rank_inputs import CaseSpec
 from tests.multigpu.rank_scripts import run_rank_scripts
@@ -144,7 +144,16 @@ def test_close_then_forward_fails_every_rank(world, mode) -> None:
 
 
 def run_dying_group(world: int, victim: int, scenario: str, mode: str, layout: str):
-    """Start ``world`` rank scripts; return (survivors' JSON reactions, every exit code)."""
+    """(survivors' reactions, every exit code, every rank's stderr or result): an uncaught
+    exception in rank scripts, as a user's (it must go through ``sys.excepthook``); a SIGKILL in
+    a pool of its own (the same rank code, in processes forked from the pools' server)."""
+    if scenario.startswith("kill"):
+        results, codes = RankPool(world).run_with_a_death(
+            dying_rank.dying_forward, victim, scenario, mode, layout, dying=victim
+        )
+        reactions = [result for rank, result in enumerate(results) if rank != victim]
+        assert all(isinstance(reaction, dict) for reaction in reactions), (results, codes)
+        return reactions, codes, [str(result) for result in results]
     args = {"victim": victim, "scenario": scenario, "mode": mode, "layout": layout}
     return run_rank_scripts("tests.multigpu.dying_rank", world, args)
 

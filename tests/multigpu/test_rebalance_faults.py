@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.multigpu import rebalance_faults
+from tests.multigpu.pool import RankPool
 from tests.multigpu.rank_inputs import CaseSpec
-from tests.multigpu.rank_scripts import run_rank_scripts
-from tests.multigpu.rebalance_kill_rank import KILL_POINTS
 
 WORLD = 4
 BAD = 2
@@ -108,17 +107,16 @@ def test_the_automatic_rebalance_failing_fails_the_forward_on_every_rank(pool_fa
         assert rebalance_faults.INJECTED in outcome.message, outcome
 
 
-def _run_killed_group(point: str) -> tuple[list[dict], list[int], list[str]]:
-    args = {"victim": BAD, "point": point, "redundant": REDUNDANT}
-    return run_rank_scripts("tests.multigpu.rebalance_kill_rank", WORLD, args, timeout_s=120)
-
-
-@pytest.mark.parametrize("point", KILL_POINTS)
+@pytest.mark.parametrize("point", rebalance_faults.KILL_POINTS)
 def test_a_peer_killed_inside_a_rebalance_is_named_and_no_survivor_diverges(point: str) -> None:
-    reactions, codes, errors = _run_killed_group(point)
-    assert len(reactions) == WORLD - 1, (reactions, codes, errors)
+    """A group of its own (the kill ends it), of rank processes forked from the pools' server."""
+    results, codes = RankPool(WORLD).run_with_a_death(
+        rebalance_faults.killed_rebalance, _spec(), REDUNDANT, BAD, point, dying=BAD
+    )
+    reactions = [r for rank, r in enumerate(results) if rank != BAD]
+    assert all(isinstance(r, dict) for r in reactions), (results, codes)
     for rank, code in enumerate(codes):  # no healthy rank dies
-        assert code == (-9 if rank == BAD else 0), (rank, code, errors[rank])
+        assert code == (-9 if rank == BAD else 0), (rank, code, results[rank])
     assert len({r["fingerprint"] for r in reactions}) == 1, reactions
     for reaction in reactions:
         assert reaction["slots_hold_their_experts"], reaction

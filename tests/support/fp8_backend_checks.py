@@ -27,13 +27,17 @@ def check_adapter_forward(
     backend_for: Callable[[str, tuple[torch.Tensor, ...]], Experts],
     layout: TopkLayout,
     activation: str,
+    experts_with_rows: int = E,
     **oracle_options,
 ) -> None:
     """``backend_for(activation, weights)``'s forward: STANDARD on 40 tokens (one served by
     nobody: an exact zero row); EXPANDED with each served (token, slot) pair as one grouped row
-    with its own weight, two padding rows of NaN after them (zero results)."""
+    with its own weight, two padding rows of NaN after them (zero results). ``experts_with_rows``:
+    as ``fp8_inputs``'."""
     if layout is TopkLayout.STANDARD:
-        x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=40)
+        x, ids, topk_weights, weights = fp8_inputs(
+            activation, torch.bfloat16, tokens=40, experts_with_rows=experts_with_rows
+        )
         backend = backend_for(activation, weights)
         device = backend.setup.device
         inputs = (t.to(device) for t in (x, ids.int(), topk_weights.float()))
@@ -42,7 +46,9 @@ def check_adapter_forward(
         assert comparison.passed, comparison.describe()
         assert not out[ids.size(0) // 2].any()
         return
-    x, ids, topk_weights, weights = fp8_inputs(activation, torch.bfloat16, tokens=24, seed=4)
+    x, ids, topk_weights, weights = fp8_inputs(
+        activation, torch.bfloat16, tokens=24, seed=4, experts_with_rows=experts_with_rows
+    )
     backend = backend_for(activation, weights)
     device = backend.setup.device
     tokens, slots = (ids >= 0).nonzero(as_tuple=True)

@@ -27,40 +27,66 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")} |
 }
 
 
+def _all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of a process, ``None`` once it is gone. Plain reads of /proc: the
+    tests poll a run's process tree ten times a second while it runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0].decode()
+
+
+def command_line(pid: int) -> str:
+    """The process's command line (empty for a zombie or a process gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def process_table() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, command line) for every live process."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        table[int(entry)] = (int(fields[1]), fields[0], cmdline.decode(errors="replace"))
+    for pid in _all_pids():
+        stat = _stat(pid)
+        if stat is not None:
+            table[pid] = (*stat, command_line(pid))
     return table
 
 
 def descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every process below ``root``."""
-    table = process_table()
+    """pid -> command line of every process below ``root`` (command lines read for those
+    only)."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        stat = _stat(pid)
+        if stat is not None:
+            children.setdefault(stat[0], []).append(pid)
     found: dict[int, str] = {}
     frontier = [root]
     while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, _, cmd) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = cmd
+        for pid in children.get(frontier.pop(), ()):
+            if pid not in found:
+                found[pid] = command_line(pid)
                 frontier.append(pid)
     return found
 
 
 def alive(pids: Iterable[int]) -> dict[int, str]:
     """Those of ``pids`` still running (zombies are dead: their parent just has not reaped them)."""
-    table = process_table()
-    return {pid: table[pid][2] for pid in pids if pid in table and table[pid][1] != "Z"}
+    found = {}
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[1] != "Z":
+            found[pid] = command_line(pid)
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
