@@ -1,5 +1,6 @@
-"""Elastic EP with real rank processes (gloo, W = 4, E = 32): ranks SIGKILLed at a forward, inside
-a rebalance, one after another (4 → 3 → 2) and during a recovery. Every survivor must name the
+"""Elastic EP with real rank processes (gloo, W = 4, E = 32; exact and capacity mode, both layouts,
+R = 0 and 4): ranks SIGKILLed at a forward, inside a rebalance, one after another (4 → 3 → 2,
+rank 0 first) and during a recovery. Every survivor must name the
 loss in the forward in flight, serve every later forward correctly (vs ``reference_moe``, on the
 survivors: the first within 5 s of the kill), come back balanced on a Zipf(1.2) router (busiest
 rank ≤ 1.15× the mean, measured), and hold the same placement as its peers with every slot
@@ -21,6 +22,11 @@ CASES = {
         {"mode": "capacity", "layout": "expanded", "redundant": 4},
         f"0@{(first := SEEDED.randint(1, 3))},3@{first + 2}",
         [[0], [3]],
+    ),
+    "capacity-standard-R4-at-a-forward": (
+        {"mode": "capacity", "layout": "standard", "redundant": 4},
+        f"3@{SEEDED.randint(1, 4)}",
+        [[3]],
     ),
     "exact-standard-R0-inside-a-rebalance": (
         {"mode": "exact", "layout": "standard", "redundant": 0},
