@@ -61,22 +61,36 @@ def build_report(spec: RunSpec, kills: dict[int, int], outcome: RunOutcome) -> d
     }
 
 
+def kill_problems(
+    world_size: int,
+    kills: dict[int, int],
+    killed: dict[int, dict],
+    survivors: Sequence[dict],
+    unit: str,
+) -> list[str]:
+    """What every elastic report checks first: each rank told to die recorded its kill at its
+    ``unit`` (``"iteration"``, ``"step"``), and every other rank reported."""
+    problems = []
+    for rank, at in sorted(kills.items()):
+        record = killed.get(rank)
+        if record is None:
+            problems.append(f"rank {rank} did not record its kill (told: {unit} {at})")
+        elif record[unit] != at:
+            problems.append(f"rank {rank} died in {unit} {record[unit]}, not {at}")
+    expected = [rank for rank in range(world_size) if rank not in kills]
+    reported = [s["rank"] for s in survivors]
+    if reported != expected:
+        problems.append(f"expected summaries from ranks {expected}, given {reported}")
+    return problems
+
+
 def _problems(
     world_size: int, kills: dict[int, int], killed: dict[int, dict], survivors: list[dict]
 ) -> list[str]:
     """Why the run did not pass: a kill not as told, a survivor missing or in another group,
     recoveries that do not account for the kills, a wrong output."""
-    problems = []
-    for rank, iteration in sorted(kills.items()):
-        record = killed.get(rank)
-        if record is None:
-            problems.append(f"rank {rank} died without recording its kill")
-        elif record["iteration"] != iteration:
-            problems.append(f"rank {rank} died at iteration {record['iteration']}, not {iteration}")
-    reported = [s["rank"] for s in survivors]
+    problems = kill_problems(world_size, kills, killed, survivors, "iteration")
     expected = [rank for rank in range(world_size) if rank not in kills]
-    if reported != expected:
-        problems.append(f"expected summaries from ranks {expected}, given {reported}")
     for s in survivors:
         lost = sorted(rank for recovery in s["recoveries"] for rank in recovery["lost"])
         if s["members"] != expected or lost != sorted(kills):

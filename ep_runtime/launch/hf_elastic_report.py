@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ep_runtime.launch.elastic_report import STEPS, WIDTH, as_ms, fitted, rank_list
+from ep_runtime.launch.elastic_report import STEPS, WIDTH, as_ms, fitted, kill_problems, rank_list
 
 if TYPE_CHECKING:
     from ep_runtime.launch.spec import RunSpec
@@ -48,17 +48,8 @@ def _problems(
     world_size: int, kills: dict[int, int], killed: dict[int, dict], survivors: Sequence[dict]
 ) -> list[str]:
     """Why the run did not pass, its tokens aside."""
-    problems = []
-    for rank, step in sorted(kills.items()):
-        record = killed.get(rank)
-        if record is None:
-            problems.append(f"rank {rank} did not record its kill (told: step {step})")
-        elif record["step"] != step:
-            problems.append(f"rank {rank} died in step {record['step']}, not {step}")
+    problems = kill_problems(world_size, kills, killed, survivors, "step")
     expected = [rank for rank in range(world_size) if rank not in kills]
-    reported = [s["rank"] for s in survivors]
-    if reported != expected:
-        problems.append(f"expected summaries from ranks {expected}, given {reported}")
     for s in survivors:
         if s["members"] != expected or sorted(s["lost_ranks"]) != sorted(kills):
             problems.append(
