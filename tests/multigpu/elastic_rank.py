@@ -1,7 +1,8 @@
 """One rank of an elastic group that loses ranks, run as its own script (``python -m``): ranks
 named in ``--kills`` SIGKILL themselves (``R@N``: as forward N starts; ``R@rebalanceN``: inside
-the weights' exchange of a rebalance after forward N; ``R@recovery``: inside the next recovery's
-re-homing). Every forward is checked against ``reference_moe``; each survivor prints one JSON
+the weights' exchange of a rebalance after forward N; ``R@recovery``, ``R@recovery-members``,
+``R@recovery-vote``: inside the next recovery's re-homing, as it joins the member list, as it
+votes). Every forward is checked against ``reference_moe``; each survivor prints one JSON
 line: what failed and when, each recovery, the seconds from each kill to the next correct
 forward, the load balance measured after the last recovery, and its placement and slots."""
 
@@ -99,8 +100,12 @@ def main() -> None:
         else None,
     )
     layer.load_weights(w13, w2)
-    if my_kill == "recovery":
+    if my_kill == "recovery":  # inside the re-homing's exchange
         elastic_group.exchange_and_assemble = die(store, args.rank)
+    if my_kill == "recovery-members":  # as it joins the next generation
+        elastic_group.agree_members = die(store, args.rank)
+    if my_kill == "recovery-vote":  # as it votes on the re-homing
+        ElasticGroup._vote = die(store, args.rank)
     events, first_correct = [], {}
     for forward in range(args.forwards):
         if my_kill == str(forward):

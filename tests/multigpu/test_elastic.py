@@ -39,6 +39,17 @@ CASES = {
         f"2@{SEEDED.randint(1, 3)},1@recovery",
         [[1, 2]],
     ),
+    # the same, the second rank dying at the recovery's other steps: as it joins, as it votes
+    "exact-standard-R4-during-a-recovery-at-its-members": (
+        {"mode": "exact", "layout": "standard", "redundant": 4},
+        f"3@{SEEDED.randint(1, 3)},0@recovery-members",
+        [[0, 3]],
+    ),
+    "capacity-expanded-R0-during-a-recovery-at-its-vote": (
+        {"mode": "capacity", "layout": "expanded", "redundant": 0},
+        f"1@{SEEDED.randint(1, 3)},2@recovery-vote",
+        [[1, 2]],
+    ),
 }
 
 
